@@ -1,0 +1,218 @@
+"""Distributed checkpoints (torch.distributed.checkpoint): save, resume, seed loading.
+
+Layout: ``<dump_folder>/<checkpoint.folder>/step-N/`` holds one DCP checkpoint with
+
+    model.*          model weights (unwrapped names: no DDP/FSDP/compile/AC prefixes)
+    optimizer.*      optimizer state
+    lr_scheduler.*   schedule state
+    train_state.*    step, data-sampler position, RNG states
+
+A checkpoint is written to ``.step-N.tmp`` and renamed to ``step-N`` only once every rank
+has finished and DCP has written ``.metadata``, so a crash mid-save never leaves a folder
+that loading would take. Because DCP reshards on load, a checkpoint written under FSDP on two
+ranks loads under DDP or on one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message says why and what to do."""
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete_steps(folder: str | os.PathLike) -> list[int]:
+    """Steps with a complete checkpoint (renamed into place, with DCP metadata), ascending."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for p in folder.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and (p / ".metadata").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def checkpoint_keys(path: str | os.PathLike) -> set[str]:
+    """Flattened names of everything stored in a DCP checkpoint."""
+    reader = dcp.FileSystemReader(str(path))
+    return set(reader.read_metadata().state_dict_metadata.keys())
+
+
+class CheckpointManager:
+    """Saves and restores the full training state; see the module docstring."""
+
+    def __init__(self, cfg, model: torch.nn.Module, optimizer, lr_scheduler, train_state):
+        self.cfg = cfg.checkpoint
+        self.enabled = self.cfg.enable_checkpoint
+        self.folder = Path(cfg.job.dump_folder) / self.cfg.folder
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.train_state = train_state  # has state_dict() / load_state_dict()
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "train_state": self.train_state.state_dict(),
+        }
+
+    def should_save(self, step: int, last_step: bool) -> bool:
+        return self.enabled and (last_step or step % self.cfg.interval == 0)
+
+    def save(self, step: int) -> Path:
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f".step-{step}.tmp"
+        if _is_rank0():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        _barrier()
+        dcp.save(self._state(), checkpoint_id=str(tmp))
+        _barrier()
+        if _is_rank0():
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._purge()
+        _barrier()
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _purge(self) -> None:
+        k = self.cfg.keep_latest_k
+        if k <= 0:
+            return
+        for step in complete_steps(self.folder)[:-k]:
+            shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Restore the latest (or ``load_step``) checkpoint of this run; returns its step, or 0
+        when there is none (then a seed checkpoint from ``initial_load_path`` is loaded)."""
+        if not self.enabled:
+            return 0
+        steps = complete_steps(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                raise CheckpointError(
+                    f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
+                    f"{self.folder}/step-{self.cfg.load_step}; available steps: {steps or 'none'}"
+                )
+            step = self.cfg.load_step
+        elif steps:
+            step = steps[-1]
+        else:
+            if self.cfg.initial_load_path:
+                load_model_weights(self.model, self.cfg.initial_load_path,
+                                   self.cfg.initial_load_prefix_map)
+            return 0
+        path = self.folder / f"step-{step}"
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.train_state.load_state_dict(state["train_state"])
+        logger.info("resumed from %s", path)
+        return step
+
+
+def _parse_prefix_map(items: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        if "=" not in item:
+            raise CheckpointError(
+                f"checkpoint.initial_load_prefix_map entry {item!r}: expected 'SOURCE=TARGET', "
+                "e.g. 'encoder.=backbone.'"
+            )
+        src, dst = item.split("=", 1)
+        pairs.append((src, dst))
+    return pairs
+
+
+def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
+                       prefix_map: list[str] | None = None) -> None:
+    """Load model weights only from a DCP checkpoint folder (a seed checkpoint, or another
+    run's ``step-N``), strictly.
+
+    ``prefix_map`` entries ``SOURCE=TARGET`` rename checkpoint keys ``model.SOURCE*`` to model
+    keys ``TARGET*``; with a map, only model keys under some TARGET are loaded (e.g. an MAE
+    encoder into a segmentation backbone, leaving the new head as initialised); without one,
+    every model key must be present. A missing key is an error, never silently skipped.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {str(path)!r} is not a complete DCP checkpoint "
+            "(no .metadata); point it at a step folder such as .../checkpoint/step-1000"
+        )
+    pairs = _parse_prefix_map(prefix_map or [])
+    model_sd = get_model_state_dict(model)
+    wanted: dict[str, torch.Tensor] = {}
+    for key, value in model_sd.items():
+        if not pairs:
+            wanted[f"model.{key}"] = value
+            continue
+        for src, dst in pairs:
+            if key.startswith(dst):
+                wanted[f"model.{src}{key[len(dst):]}"] = value
+                break
+    if not wanted:
+        raise CheckpointError(
+            f"checkpoint.initial_load_prefix_map {prefix_map} matches no model parameter; model "
+            f"keys start with: {sorted({k.split('.')[0] + '.' for k in model_sd})}"
+        )
+    stored = checkpoint_keys(path)
+    missing = sorted(k for k in wanted if k not in stored)
+    if missing:
+        raise CheckpointError(
+            f"{path}: {len(missing)} model weights are missing from the checkpoint, e.g. "
+            f"{missing[:5]}; the checkpoint holds e.g. {sorted(stored)[:5]}. Check model.backbone "
+            "and checkpoint.initial_load_prefix_map"
+        )
+    dcp.load(wanted, checkpoint_id=str(path))
+    # Write the loaded values back through the model's own state-dict API (handles DTensors).
+    inverse = {}
+    for key in model_sd:
+        for src, dst in pairs or [("", "")]:
+            if key.startswith(dst):
+                inverse[key] = wanted[f"model.{src}{key[len(dst):]}"]
+                break
+    set_model_state_dict(model, inverse, options=StateDictOptions(strict=False))
+    logger.info("loaded %d model weights from %s", len(inverse), path)

@@ -1,0 +1,106 @@
+"""Logging of training metrics: stdout, ``logs/metrics.jsonl`` and TensorBoard (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s per GPU, for MFU. Unknown devices (and CPUs) report no MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return value
+    return None
+
+
+class MetricLogger:
+    """Writes one JSON object per logged step and the same scalars to TensorBoard."""
+
+    def __init__(self, dump_folder: str, tb_folder: str, enable_tensorboard: bool, rank: int):
+        self.enabled = rank == 0
+        self.folder = Path(dump_folder) / tb_folder
+        self.writer = None
+        self.jsonl = None
+        if not self.enabled:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.folder / "metrics.jsonl", "a", buffering=1)
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: float(v) for k, v in values.items()}, "time": time.time()}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(key, float(value), step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Throughput:
+    """Times steps between logs and turns them into voxels/s, FLOP/s and MFU."""
+
+    def __init__(self, voxels_per_sample: int, flops_per_sample: float, global_batch: int,
+                 world_size: int, device: torch.device):
+        self.voxels_per_step = voxels_per_sample * global_batch
+        self.flops_per_step = flops_per_sample * global_batch
+        self.world_size = world_size
+        self.peak = device_peak_flops(device)
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.steps = 0
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def report(self) -> dict[str, float]:
+        dt = max(time.perf_counter() - self.t0, 1e-9) / max(self.steps, 1)
+        out = {
+            "voxels_per_second": self.voxels_per_step / dt,
+            "step_time_s": dt,
+            "tflops_per_device": self.flops_per_step / dt / self.world_size / 1e12,
+        }
+        if self.peak:
+            out["mfu_percent"] = 100 * self.flops_per_step / dt / self.world_size / self.peak
+        if self.device.type == "cuda":
+            out["memory_max_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        self.reset()
+        return out
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(
+        level=level,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

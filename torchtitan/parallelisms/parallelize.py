@@ -1,0 +1,117 @@
+"""Apply parallelism, activation checkpointing, compilation and mixed precision from outside.
+
+Models are single-device code that expose their transformer blocks as ``nn.ModuleList``s
+named ``blocks`` (``backbone.blocks``, ``encoder.blocks``, ``decoder.blocks``). Everything here
+finds them by name, so one function serves every model. The order follows torchtitan:
+TP -> activation checkpointing -> compile -> FSDP/HSDP or DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Every ``nn.ModuleList`` named ``blocks`` in the model, with its qualified name."""
+    return [(name, m) for name, m in model.named_modules()
+            if name.split(".")[-1] == "blocks" and isinstance(m, nn.ModuleList)]
+
+
+def apply_ac(model: nn.Module, mode: str, option: str) -> None:
+    """Activation checkpointing per block: ``full`` = every block, ``selective`` with an
+    integer option N = every N-th block."""
+    if mode == "none":
+        return
+    every = 1
+    if mode == "selective":
+        if not option.isdigit() or int(option) < 1:
+            raise ValueError(
+                f"activation_checkpoint.selective_ac_option={option!r}: use a positive integer N "
+                "to checkpoint every N-th block"
+            )
+        every = int(option)
+    for _, blocks in block_lists(model):
+        for i in range(len(blocks)):
+            if i % every == 0:
+                blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False)
+    logger.info("activation checkpointing: %s (every %d-th block)", mode, every)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block on its own (fast compile, reused across identical blocks)."""
+    for _, blocks in block_lists(model):
+        for i in range(len(blocks)):
+            blocks[i] = torch.compile(blocks[i], fullgraph=True)
+    logger.info("compiled every transformer block with torch.compile")
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> None:
+    """FSDP2: shard each block, then the root (which picks up the remaining parameters)."""
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for _, blocks in block_lists(model):
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, cfg) -> nn.Module:
+    """Apply AC, compile and data parallelism; returns the module to train.
+
+    FSDP is applied here on the meta device. DDP needs materialised weights, so it is applied
+    by :func:`wrap_ddp` after initialisation.
+    """
+    if dims.tp_enabled:
+        raise NotImplementedError("tensor parallelism is not available yet; set "
+                                  "training.tensor_parallel_degree = 1")
+    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.training.compile:
+        apply_compile(model)
+    if dims.fsdp_enabled:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, DTYPES[cfg.training.mixed_precision_param],
+                   DTYPES[cfg.training.mixed_precision_reduce])
+        logger.info("applied %s", dims.describe())
+    return model
+
+
+def wrap_ddp(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> nn.Module:
+    if not dims.ddp_enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = None
+    p = next(model.parameters())
+    if p.device.type == "cuda":
+        device_ids = [p.device.index]
+    logger.info("applied %s", dims.describe())
+    return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
+                                   device_ids=device_ids)
+
+
+def autocast_context(dims: ParallelDims, cfg, device_type: str):
+    """bf16 autocast where FSDP's mixed-precision policy does not already cast parameters."""
+    dtype = DTYPES[cfg.training.mixed_precision_param]
+    if dims.fsdp_enabled or dtype == torch.float32:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)

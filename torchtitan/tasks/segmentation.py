@@ -1,0 +1,110 @@
+"""Supervised segmentation: backbone + head, masked BCE, validation on whole held-out crops."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
+from torchtitan.datasets.samples import crop_grid
+from torchtitan.evaluation import ConfusionCounts, semantic_scores
+from torchtitan.inference import num_predict_calls, predict_volume
+from torchtitan.models import (
+    SegmentationModel,
+    build_backbone,
+    masked_bce_loss,
+    training_flops_per_sample,
+)
+from torchtitan.tasks.common import check_backbone, idle_forwards
+
+logger = logging.getLogger(__name__)
+
+
+class SegmentationTask:
+    name = "segmentation"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._val_cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        check_backbone(self.cfg)
+        self.sources, self.train_crops, self.val_crops = load_segmentation_data(self.cfg)
+        logger.info("segmentation data: %d datasets, %d training crops, %d validation crops (%s)",
+                    len(self.sources), len(self.train_crops), len(self.val_crops),
+                    ", ".join(c.full_name for c in self.val_crops) or "none")
+
+    def train_dataset(self):
+        return build_segmentation_samples(self.cfg, self.sources, self.train_crops)
+
+    # -- model ----------------------------------------------------------------------------------
+
+    def build_model(self) -> SegmentationModel:
+        m = self.cfg.model
+        backbone = build_backbone(m.backbone, ndim=m.ndim, in_chans=m.in_chans,
+                                  patch_size=m.patch_size, attention=m.attention)
+        return SegmentationModel(backbone, len(self.cfg.data.classes), head=m.head,
+                                 out_layers=m.backbone_out_layers)
+
+    def flops_per_sample(self, model) -> float:
+        return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
+
+    def loss_terms(self, model, batch):
+        logits = model(batch["image"], output_size=batch["target"].shape[2:])
+        return masked_bce_loss(logits.float(), batch["target"], batch["valid"])
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _val_volume(self, crop) -> dict[str, torch.Tensor]:
+        """A whole validation crop on the training grid (cached: crops are small)."""
+        if crop.full_name not in self._val_cache:
+            samples = self.train_dataset()
+            origin, shape = crop_grid(crop, self.cfg.data.voxel_size)
+            arrays = samples.read(crop, origin, shape)
+            self._val_cache[crop.full_name] = {
+                "image": torch.from_numpy(arrays["image"]),
+                "target": torch.from_numpy(arrays["target"] > 0),
+                "valid": torch.from_numpy(arrays["valid"] > 0),
+            }
+        return self._val_cache[crop.full_name]
+
+    def validate(self, model, trainer) -> dict[str, float]:
+        cfg = self.cfg
+        counts = ConfusionCounts(len(cfg.data.classes))
+        mine = self.val_crops[trainer.dp_rank::trainer.dims.dp_degree]
+        window = tuple(cfg.model.crop_size)
+        overlap, batch_size = 0.25, max(1, cfg.training.batch_size // trainer.dims.dp_degree)
+        device = trainer.device
+
+        def predict(x: torch.Tensor) -> torch.Tensor:
+            return torch.sigmoid(model(x.to(device)).float())
+
+        calls = 0
+        for crop in mine:
+            vol = self._val_volume(crop)
+            spatial = tuple(vol["image"].shape[1:])
+            calls += num_predict_calls(spatial, window, overlap, batch_size)
+            prob = predict_volume(predict, vol["image"], window, len(cfg.data.classes),
+                                  overlap=overlap, batch_size=batch_size)
+            counts.update(prob > 0.5, vol["target"], vol["valid"])
+        dummy = torch.zeros((batch_size, cfg.model.in_chans, *window))
+        idle_forwards(lambda: predict(dummy), calls, trainer)
+        if trainer.dp_mesh is not None:
+            dist.all_reduce(counts.counts, group=trainer.dp_mesh.get_group())
+        return semantic_scores(counts, cfg.data.classes)
+
+    def summary(self, scores: dict[str, float]) -> None:
+        cfg = self.cfg
+        print(f"\nsegmentation finished: {cfg.job.dump_folder}")
+        print(f"  checkpoints: {cfg.job.dump_folder}/{cfg.checkpoint.folder}")
+        print(f"  logs:        {cfg.job.dump_folder}/{cfg.metrics.save_tb_folder} "
+              "(metrics.jsonl, TensorBoard)")
+        for name in cfg.data.classes:
+            if f"val/iou/{name}" in scores:
+                print(f"  val IoU {name:>10s}: {scores[f'val/iou/{name}']:.3f}")
+        if "val/mean_iou" in scores:
+            print(f"  val mean IoU:      {scores['val/mean_iou']:.3f}")
