@@ -168,8 +168,8 @@ def _parse_prefix_map(items: list[str]) -> list[tuple[str, str]]:
 
 def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
                        prefix_map: list[str] | None = None) -> None:
-    """Load model weights only from a DCP checkpoint folder (a seed checkpoint, or another
-    run's ``step-N``), strictly.
+    """Load model weights only from a DCP checkpoint (a seed checkpoint, another run's
+    ``step-N``, or a run's checkpoint folder, whose latest step is taken), strictly.
 
     ``prefix_map`` entries ``SOURCE=TARGET`` rename checkpoint keys ``model.SOURCE*`` to model
     keys ``TARGET*``; with a map, only model keys under some TARGET are loaded (e.g. an MAE
@@ -177,10 +177,13 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
     every model key must be present. A missing key is an error, never silently skipped.
     """
     path = Path(path)
+    if not (path / ".metadata").is_file() and complete_steps(path):
+        path = path / f"step-{complete_steps(path)[-1]}"  # a run's checkpoint folder: latest
     if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"checkpoint.initial_load_path {str(path)!r} is not a complete DCP checkpoint "
-            "(no .metadata); point it at a step folder such as .../checkpoint/step-1000"
+            "(no .metadata); point it at a step folder such as .../checkpoint/step-1000, or at "
+            "a checkpoint folder holding step-N folders"
         )
     pairs = _parse_prefix_map(prefix_map or [])
     model_sd = get_model_state_dict(model)

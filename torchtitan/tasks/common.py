@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -19,14 +17,15 @@ def check_backbone(cfg) -> None:
         )
 
 
-def idle_forwards(forward_once: Callable[[], object], done: int, trainer) -> None:
-    """Call ``forward_once`` until this rank has run as many forwards as the busiest rank.
+def most_forwards(count: int, trainer) -> int:
+    """The largest ``count`` over data-parallel ranks when the model is sharded, else ``count``.
 
-    Sharded (FSDP) forwards all-gather parameters, so every rank must run the same number.
+    Sharded (FSDP) forwards all-gather parameters, so every rank must run the same number of
+    them: a rank with less work pads with idle forwards up to this number. Call it before any
+    forward, so that the all-reduce here is matched on every rank.
     """
     if not trainer.dims.fsdp_enabled:
-        return
-    most = torch.tensor(done, dtype=torch.int64)
+        return count
+    most = torch.tensor(count, dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=trainer.dp_mesh.get_group())
-    for _ in range(int(most) - done):
-        forward_once()
+    return int(most)

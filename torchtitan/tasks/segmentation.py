@@ -17,7 +17,7 @@ from torchtitan.models import (
     masked_bce_loss,
     training_flops_per_sample,
 )
-from torchtitan.tasks.common import check_backbone, idle_forwards
+from torchtitan.tasks.common import check_backbone, most_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +83,17 @@ class SegmentationTask:
         def predict(x: torch.Tensor) -> torch.Tensor:
             return torch.sigmoid(model(x.to(device)).float())
 
-        calls = 0
+        calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, overlap,
+                                      batch_size) for c in mine)
+        idle = most_forwards(calls, trainer) - calls
         for crop in mine:
             vol = self._val_volume(crop)
-            spatial = tuple(vol["image"].shape[1:])
-            calls += num_predict_calls(spatial, window, overlap, batch_size)
             prob = predict_volume(predict, vol["image"], window, len(cfg.data.classes),
                                   overlap=overlap, batch_size=batch_size)
             counts.update(prob > 0.5, vol["target"], vol["valid"])
         dummy = torch.zeros((batch_size, cfg.model.in_chans, *window))
-        idle_forwards(lambda: predict(dummy), calls, trainer)
+        for _ in range(idle):
+            predict(dummy)
         if trainer.dp_mesh is not None:
             dist.all_reduce(counts.counts, group=trainer.dp_mesh.get_group())
         return semantic_scores(counts, cfg.data.classes)
