@@ -28,6 +28,15 @@ Layout written under ``root`` (zarr format 2, OME-NGFF 0.4 ``multiscales`` attri
     <root>/<ds>/<ds>.zarr/recon-1/labels/groundtruth/crop<N>/<class>/{s0,s1}
     <root>/.demo_complete        (written last; a partial set is detected and redone)
 
+The set (``DEMO_DATASETS``): ``jrc_synth-1``, isotropic 8 nm voxels at the origin, and
+``jrc_synth-2``, 16 x 8 x 8 nm voxels (z coarser) away from the origin, each about
+1.3 x 2.6 x 2.6 um with four crops (crop1..crop8) of 0.4-1 um x 1-1.4 um x 1-1.4 um.
+Crop grids are 4, 8 or 16 nm (finer and coarser than the EM), some sit half an EM voxel off
+the EM grid, some annotate only a subset of the classes (a class a crop does not annotate
+has no group there), and two have a slab of unknown voxels. ``scale`` shrinks volumes and
+crops but not the objects; a volume narrower than a cell is centred on a cell boundary, so
+that even a tiny test set shows membranes and extracellular space.
+
 Scale levels follow the voxel-centre convention: a level's ``translation`` is the world
 position of the centre of its voxel 0, so level k of a 2x pyramid has
 ``scale_k = scale_0 * 2**k`` and ``translation_k = translation_0 + (scale_k - scale_0) / 2``.
@@ -555,8 +564,9 @@ def _polyline(rng, centre, length, n_segments, max_bend_deg):
     points = [np.zeros(3)]
     for _ in range(n_segments):
         bend = _random_directions(rng, 1)[0]
-        bend -= bend.dot(direction) * direction
-        direction = direction + math.tan(math.radians(rng.uniform(0, max_bend_deg))) * bend / max(np.linalg.norm(bend), 1e-9)
+        bend -= bend.dot(direction) * direction  # perpendicular to the current direction
+        bend /= max(np.linalg.norm(bend), 1e-9)
+        direction = direction + math.tan(math.radians(rng.uniform(0, max_bend_deg))) * bend
         direction /= np.linalg.norm(direction)
         points.append(points[-1] + step * direction)
     points = np.array(points)
@@ -606,7 +616,8 @@ class _Placer:
         margins = np.repeat(np.asarray(radii) + gap, sizes)
         index, ok = self.cells_of(np.concatenate(shapes), margins)
         cells = []
-        for idx, good in zip(np.split(index, np.cumsum(sizes)[:-1]), np.split(ok, np.cumsum(sizes)[:-1])):
+        splits = np.cumsum(sizes)[:-1]
+        for idx, good in zip(np.split(index, splits), np.split(ok, splits)):
             cells.append(int(idx[0]) if good.all() and np.all(idx == idx[0]) else -1)
         return cells
 
@@ -628,7 +639,8 @@ class _Placer:
 
     def occupy(self, cell: int, points: np.ndarray, radius: float):
         centres, radii = self.obstacles.get(cell, (np.zeros((0, 3)), np.zeros(0)))
-        self.obstacles[cell] = (np.concatenate([centres, points]), np.concatenate([radii, np.full(len(points), radius)]))
+        radii = np.concatenate([radii, np.full(len(points), radius)])
+        self.obstacles[cell] = (np.concatenate([centres, points]), radii)
 
 
 # Clearance between organelles and the cell boundary: the widest usual extracellular half
@@ -688,7 +700,8 @@ def _add_mitochondria(placer: _Placer) -> list[Tube]:
         shapes.append(_densify(points, 40.0))
         radii.append(radius)
     placed = []
-    for cell, points, samples, radius in zip(placer.cell_of_shapes(shapes, radii, 15.0), lines, shapes, radii):
+    cells = placer.cell_of_shapes(shapes, radii, 15.0)
+    for cell, points, samples, radius in zip(cells, lines, shapes, radii):
         if len(placed) == target:
             break
         if cell >= 0 and placer.fits(cell, samples, radius, 20.0):
@@ -736,7 +749,8 @@ def _add_er(placer: _Placer) -> list:
     er: list = []
     if sheets:
         samples = [_disc_samples(rng, s.centre, s.normal, s.radius) for s in sheets]
-        for cell, sheet, points in zip(placer.cell_of_shapes(samples, np.full(len(sheets), 20.0), 20.0), sheets, samples):
+        cells = placer.cell_of_shapes(samples, np.full(len(sheets), 20.0), 20.0)
+        for cell, sheet, points in zip(cells, sheets, samples):
             if cell >= 0 and placer.fits(cell, points, 20.0, 20.0):
                 er.append(sheet)
                 placer.occupy(cell, points, 20.0)
@@ -755,14 +769,20 @@ def _add_er(placer: _Placer) -> list:
     if not walks:
         return er
     radii = rng.uniform(20, 28, len(walks))
-    index, inside = placer.cells_of(np.concatenate(walks), np.repeat(radii, [len(w) for w in walks]) + 10.0)
+    margins = np.repeat(radii, [len(w) for w in walks]) + 10.0
+    index, inside = placer.cells_of(np.concatenate(walks), margins)
     offset = 0
     for points, radius in zip(walks, radii):
         cells, ok = index[offset : offset + len(points)], inside[offset : offset + len(points)]
         offset += len(points)
         cell = int(cells[0])
-        n_good = 0
-        while n_good < len(points) and ok[n_good] and cells[n_good] == cell and placer.fits(cell, points[n_good : n_good + 1], radius, 15.0):
+        n_good = 0  # length of the walk's first stretch that fits
+        while (
+            n_good < len(points)
+            and ok[n_good]
+            and cells[n_good] == cell
+            and placer.fits(cell, points[n_good : n_good + 1], radius, 15.0)
+        ):
             n_good += 1
         if n_good >= 2:
             er.append(Tube(points[:n_good], float(radius), "er"))
@@ -783,6 +803,19 @@ def _add_vesicles(placer: _Placer) -> list[Ball]:
             placed.append(Ball(c, float(r), "ves"))
             placer.occupy(cell, c[None], r)
     return placed
+
+
+def _put_membrane_through(scene: Scene, point: np.ndarray) -> None:
+    """Shift all cells so that a cell boundary passes (close to) ``point``."""
+    index, boundary = scene.cell_fields(*point.astype(np.float32)[:, None])
+    nearest = scene.seeds[index[0]]
+    d = np.linalg.norm(scene.seeds - point, axis=1) - scene.weights
+    d[index[0]] = np.inf
+    second = scene.seeds[np.argmin(d)]
+    # Moving the point by ``boundary`` towards the second cell reaches the boundary; moving
+    # every seed the opposite way does the same.
+    towards = (second - nearest) / np.linalg.norm(second - nearest)
+    scene.seeds = scene.seeds - float(boundary[0]) * towards
 
 
 FURNISH_MARGIN = 300.0  # organelles are drawn this far around the volume, too
@@ -813,6 +846,10 @@ def make_scene(rng: np.random.Generator, lo_nm, hi_nm) -> Scene:
         gap=WaveNoise.random(rng, 3, (500, 1500)),
         pocket=WaveNoise.random(rng, 3, (700, 1500)),
     )
+    if np.min((hi_nm - lo_nm)[1:]) < CELL_SPACING:
+        # A volume narrower than a cell would often show the inside of a single cell only
+        # (no membranes, no extracellular space): centre it on a cell boundary instead.
+        _put_membrane_through(scene, centre)
     # Organelles are drawn kind by kind, biggest first, and painted in the same order.
     placer = _Placer(scene, rng, lo_nm - FURNISH_MARGIN, hi_nm + FURNISH_MARGIN)
     scene.organelles += _add_nuclei(placer)
@@ -855,7 +892,7 @@ for _atom, _grey, _texture, _chromatin in [
 PSF_SIGMA_NM = (7.0, 5.0, 5.0)  # FIB-SEM resolves z (milling) worse than y, x
 
 
-def _smooth_noise(rng: np.random.Generator, shape, voxel_nm, correlation_nm: float, factor: int) -> np.ndarray:
+def _smooth_noise(rng: np.random.Generator, shape, voxel_nm, correlation_nm: float, factor: int):
     """Unit-variance Gaussian random texture with a correlation length in nm.
 
     Generated on a grid ``factor`` times coarser (where possible) and upsampled, which is
@@ -888,7 +925,8 @@ def render_em(atoms: np.ndarray, voxel_nm, rng: np.random.Generator) -> np.ndarr
     image = ndi.gaussian_filter(image, [s / v for s, v in zip(PSF_SIGMA_NM, voxel_nm)], mode="nearest")
 
     # Detector shot noise grows with the signal; a little read noise on top.
-    image += (np.sqrt(np.maximum(image, 1.0)) * 1.1 + 3.0) * rng.standard_normal(image.shape, dtype=np.float32)
+    noise = rng.standard_normal(image.shape, dtype=np.float32)
+    image += (np.sqrt(np.maximum(image, 1.0)) * 1.1 + 3.0) * noise
     # Slice-to-slice brightness drift, and faint milling streaks ("curtains") along y.
     image *= (1.0 + 0.015 * rng.standard_normal(atoms.shape[0]))[:, None, None].astype(np.float32)
     streaks = ndi.gaussian_filter1d(rng.standard_normal(atoms.shape[2]).astype(np.float32), 1.5)
@@ -1032,6 +1070,8 @@ class CropSpec:
 
 @dataclass(frozen=True)
 class DatasetSpec:
+    """One demo dataset: its EM grid (at ``scale=1``) and its annotated crops."""
+
     name: str
     voxel_nm: tuple[float, float, float]
     shape: tuple[int, int, int]  # EM s0 voxels at scale=1
@@ -1066,7 +1106,9 @@ DEMO_DATASETS: tuple[DatasetSpec, ...] = (
         translation_nm=(960.0, 480.0, 1600.0),
         crops=(
             CropSpec((8.0, 8.0, 8.0), (640, 1200, 1200), (0.5, 0.5, 0.5), unknown_slab=(0, 0.0, 0.25)),
-            CropSpec((16.0, 16.0, 16.0), (800, 1400, 1400), (0.2, 0.1, 0.85), classes=("mito", "mito_mem", "mito_lum")),
+            CropSpec(
+                (16.0, 16.0, 16.0), (800, 1400, 1400), (0.2, 0.1, 0.85), classes=("mito", "mito_mem", "mito_lum")
+            ),
             CropSpec((4.0, 4.0, 4.0), (400, 960, 960), (0.75, 0.9, 0.15)),
             CropSpec((16.0, 8.0, 8.0), (960, 1400, 1400), (0.3, 0.8, 0.6), half_voxel_shift=True),
         ),
@@ -1141,7 +1183,9 @@ def _crop_labels(scene: Scene, crop: CropSpec, grid: Grid) -> dict[str, list[np.
     return labels
 
 
-def _write_dataset(root: Path, index: int, spec: DatasetSpec, seed: int, scale: float, first_crop: int, submit) -> int:
+def _write_dataset(
+    root: Path, index: int, spec: DatasetSpec, seed: int, scale: float, first_crop: int, submit
+) -> int:
     """Render one dataset and hand its arrays to ``submit`` for writing; returns the
     number of crops. Writing runs in the background while the next part is rendered."""
     path = root / spec.name / f"{spec.name}.zarr"
@@ -1185,8 +1229,8 @@ def generate_demo_data(root: str | os.PathLike, seed: int = 0, scale: float = 1.
         scale: shrinks the volumes and crops (every axis) while keeping physical object
             sizes, e.g. 0.4 for a small set that tests make in seconds.
     """
-    if not 0.1 <= scale <= 4.0:
-        raise ValueError(f"scale must be in [0.1, 4.0], got {scale}")
+    if not 0.1 <= scale <= 2.0:
+        raise ValueError(f"scale must be in [0.1, 2.0], got {scale}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     marker = root / COMPLETE_MARKER
@@ -1197,9 +1241,12 @@ def generate_demo_data(root: str | os.PathLike, seed: int = 0, scale: float = 1.
     # One writer thread, so zarr calls stay in order; it overlaps with the rendering.
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = []
+
+        def submit(fn, *args):
+            pending.append(writer.submit(fn, *args))
+
         next_crop = 1  # crop numbers are unique across the whole set, as in the challenge
         for index, spec in enumerate(DEMO_DATASETS):
-            submit = lambda fn, *args: pending.append(writer.submit(fn, *args))  # noqa: E731
             next_crop += _write_dataset(root, index, spec, seed, scale, next_crop, submit)
         for job in pending:
             job.result()  # re-raises a failed write here
@@ -1278,34 +1325,40 @@ def preview_png(root: str | os.PathLike, out_png: str | os.PathLike) -> None:
         overlay = np.repeat(em_slice[..., None], 3, axis=2).astype(np.float32)
         outlines = []
         for crop_name, crop in store[GROUNDTRUTH_PATH].groups():
-            for class_name, colour in _OVERLAY + [("cell", None)]:
-                if class_name not in crop:
-                    continue
-                scale, trans = map(np.array, _scale_and_translation(crop[class_name]))
-                labels = crop[class_name]["s0"]
-                # Nearest label voxel of each EM pixel, on this slice.
-                idx = [np.floor((world[d] - (trans[d] - scale[d] / 2)) / scale[d]).astype(int) for d in range(3)]
-                cz = int(idx[0][iz])
-                ys = np.flatnonzero((idx[1] >= 0) & (idx[1] < labels.shape[1]))
-                xs = np.flatnonzero((idx[2] >= 0) & (idx[2] < labels.shape[2]))
-                if not 0 <= cz < labels.shape[0] or len(ys) == 0 or len(xs) == 0:
-                    continue
-                plane = np.asarray(labels[cz])[np.ix_(idx[1][ys], idx[2][xs])]
-                view = overlay[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
-                if colour is not None:
-                    view[plane == PRESENT] = 0.5 * view[plane == PRESENT] + 0.5 * np.array(colour)
-                view[plane == UNKNOWN] = 0.4 * view[plane == UNKNOWN] + 0.6 * 128
-                outlines.append((xs[0], ys[0], xs[-1], ys[-1], crop_name))
+            # All classes of a crop share one grid: find the label voxel nearest to each
+            # EM pixel of this slice.
+            classes = dict(crop.groups())
+            scale, trans = map(np.array, _scale_and_translation(next(iter(classes.values()))))
+            shape = next(iter(classes.values()))["s0"].shape
+            idx = [np.floor((world[d] - (trans[d] - scale[d] / 2)) / scale[d]).astype(int) for d in range(3)]
+            cz = int(idx[0][iz])
+            ys = np.flatnonzero((idx[1] >= 0) & (idx[1] < shape[1]))
+            xs = np.flatnonzero((idx[2] >= 0) & (idx[2] < shape[2]))
+            if not 0 <= cz < shape[0] or len(ys) == 0 or len(xs) == 0:
+                continue
+            view = overlay[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
+            unknown = None
+            for class_name, colour in _OVERLAY:
+                if class_name in classes:
+                    plane = np.asarray(classes[class_name]["s0"][cz])[np.ix_(idx[1][ys], idx[2][xs])]
+                    view[plane == PRESENT] = 0.5 * view[plane == PRESENT] + 0.5 * np.array(colour, np.float32)
+                    unknown = plane == UNKNOWN
+            if unknown is None:  # a crop with none of the coloured classes (e.g. only "cell")
+                any_class = next(iter(classes.values()))["s0"]
+                unknown = np.asarray(any_class[cz])[np.ix_(idx[1][ys], idx[2][xs])] == UNKNOWN
+            view[unknown] = 0.4 * view[unknown] + 0.6 * 128
+            outlines.append((xs[0], ys[0], xs[-1], ys[-1], crop_name))
         left = Image.fromarray(em_slice).convert("RGB")
         right = Image.fromarray(np.clip(overlay, 0, 255).astype(np.uint8))
         draw = ImageDraw.Draw(right)
-        for x0, y0, x1, y1, crop_name in set(outlines):
+        for x0, y0, x1, y1, crop_name in outlines:
             draw.rectangle([x0, y0, x1, y1], outline=(255, 255, 255))
             draw.text((x0 + 2, y0 + 2), crop_name, fill=(255, 255, 255))
         row = Image.new("RGB", (left.width + right.width + 8, max(left.height, right.height) + 14), (0, 0, 0))
         row.paste(left, (0, 14))
         row.paste(right, (left.width + 8, 14))
-        ImageDraw.Draw(row).text((2, 1), f"{ds_dir.name}  z={iz}  voxel={em_scale.tolist()} nm", fill=(255, 255, 255))
+        title = f"{ds_dir.name}  z={iz}  voxel={em_scale.tolist()} nm"
+        ImageDraw.Draw(row).text((2, 1), title, fill=(255, 255, 255))
         rows.append(row)
     if not rows:
         raise FileNotFoundError(f"no demo datasets under {root}")

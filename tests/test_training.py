@@ -1,0 +1,171 @@
+"""End-to-end training with real torchrun processes (gloo): FSDP, DDP, checkpoints, resume,
+MAE -> segmentation, and bad inputs that must stop every rank with one clear message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import zarr
+
+from conftest import launch, read_jsonl, train_losses
+
+pytestmark = pytest.mark.distributed
+
+SEG2D = "train_configs/debug_segmentation_2d.toml"
+MAE2D = "train_configs/debug_mae_2d.toml"
+
+
+def _seg_args(data, dump, *extra):
+    return ["--job.config_file", SEG2D, "--data.dataset_path", str(data),
+            "--job.dump_folder", str(dump), "--training.steps", "4", "--metrics.log_freq", "1",
+            "--checkpoint.interval", "2", "--no-metrics.progress_bar", *extra]
+
+
+def _ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(demo_data, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("fsdp") / "run"
+    _ok(launch("train_segmentation.py", _seg_args(demo_data, dump)))
+    return dump
+
+
+def test_fsdp_run_leaves_config_checkpoints_and_logs(fsdp_run):
+    dump = fsdp_run
+    assert (dump / "config.toml").is_file()
+    assert (dump / "checkpoint" / "step-4" / ".metadata").is_file()
+    assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
+    assert not list((dump / "checkpoint").glob(".*tmp*")), "no temporary checkpoint is left"
+    records = read_jsonl(dump / "logs" / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        for key in ("loss", "lr", "grad_norm", "voxels_per_second"):
+            assert math.isfinite(r[key]), key
+    val = [r for r in records if "val/mean_iou" in r]
+    assert val and val[-1]["step"] == 4
+    assert any(k.startswith("val/iou/") for k in val[-1])
+    assert list((dump / "logs").glob("events.out.tfevents.*")), "TensorBoard event file"
+
+
+def test_tensorboard_events_hold_the_scalars(fsdp_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (event_file,) = (fsdp_run / "logs").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(event_file))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "loss" in tags and "val/mean_iou" in tags
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+
+
+def test_ddp_gives_the_same_losses_as_fsdp(fsdp_run, demo_data, tmp_path):
+    dump = tmp_path / "ddp"
+    _ok(launch("train_segmentation.py", _seg_args(
+        demo_data, dump, "--training.data_parallel_shard_degree", "1",
+        "--training.data_parallel_replicate_degree", "2")))
+    fsdp, ddp = train_losses(fsdp_run), train_losses(dump)
+    assert fsdp.keys() == ddp.keys()
+    for step in fsdp:
+        assert ddp[step] == pytest.approx(fsdp[step], rel=1e-4), step
+
+
+def test_resume_continues_after_the_last_checkpoint(demo_data, tmp_path):
+    dump = tmp_path / "resume"
+    _ok(launch("train_segmentation.py", _seg_args(demo_data, dump)))
+    first = train_losses(dump)
+    _ok(launch("train_segmentation.py", _seg_args(demo_data, dump, "--training.steps", "6")))
+    records = [r for r in read_jsonl(dump / "logs" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6], "resumed at step 5, not from 1"
+    assert (dump / "checkpoint" / "step-6" / ".metadata").is_file()
+    # keep_latest_k = 2: only the two newest checkpoints remain.
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4", "step-6"]
+    # A run of 6 steps in one go sees the same batches and reaches the same losses.
+    straight = tmp_path / "straight"
+    _ok(launch("train_segmentation.py", _seg_args(demo_data, straight, "--training.steps", "6")))
+    again = train_losses(straight)
+    resumed = {r["step"]: r["loss"] for r in records}
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(again[step], rel=1e-5), step
+    assert first[1] == pytest.approx(again[1], rel=1e-6)
+
+
+def test_mae_then_segmentation_from_the_encoder(demo_data, tmp_path):
+    mae = tmp_path / "mae"
+    _ok(launch("train_mae.py", ["--job.config_file", MAE2D, "--data.dataset_path", str(demo_data),
+                                "--job.dump_folder", str(mae), "--training.steps", "3",
+                                "--no-metrics.progress_bar"]))
+    records = read_jsonl(mae / "logs" / "metrics.jsonl")
+    assert any("val/reconstruction_loss" in r for r in records)
+    assert (mae / "checkpoint" / "step-3" / ".metadata").is_file()
+    seg = tmp_path / "seg"
+    result = launch("train_segmentation.py", _seg_args(
+        demo_data, seg, "--training.steps", "1",
+        "--checkpoint.initial_load_path", str(mae / "checkpoint"),
+        "--checkpoint.initial_load_prefix_map", "encoder.=backbone."))
+    _ok(result)
+    assert "loaded" in result.stdout + result.stderr and "step-3" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dims", ["2d", "3d"])
+def test_single_process_runs_in_2d_and_3d(demo_data, tmp_path, dims):
+    cfg = f"train_configs/debug_segmentation_{dims}.toml"
+    dump = tmp_path / dims
+    _ok(launch("train_segmentation.py", ["--job.config_file", cfg, "--data.dataset_path",
+                                         str(demo_data), "--job.dump_folder", str(dump),
+                                         "--training.steps", "2", "--no-metrics.progress_bar"],
+               nproc=0))
+    assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one clear message, non-zero exit, no rank left hanging.
+# ---------------------------------------------------------------------------------------------
+
+
+def _fails_with(result, *fragments):
+    assert result.returncode != 0, result.stdout + result.stderr
+    err = result.stderr
+    for frag in fragments:
+        assert frag in err, f"{frag!r} not in:\n{err[-4000:]}"
+    # The message is printed once (by rank 0), not once per rank.
+    assert err.count("error:") == 1, err[-4000:]
+
+
+def test_bad_input_missing_dataset_path(tmp_path):
+    r = launch("train_segmentation.py", _seg_args(tmp_path / "nowhere", tmp_path / "d"), timeout=120)
+    _fails_with(r, "data.dataset_path", "nowhere", "does not exist")
+
+
+def test_bad_input_dataset_without_expected_groups(tmp_path):
+    root = tmp_path / "data"
+    zarr.open_group(str(root / "jrc_x" / "jrc_x.zarr" / "recon-1" / "raw"), mode="w", zarr_format=2)
+    r = launch("train_segmentation.py", _seg_args(root, tmp_path / "d"), timeout=120)
+    _fails_with(r, "jrc_x.zarr", "recon-1/em/fibsem-uint8")
+
+
+def test_bad_input_crop_size_larger_than_any_crop(demo_data, tmp_path):
+    r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d", "--model.crop_size",
+                                                  "1024,1024"), timeout=120)
+    _fails_with(r, "model.crop_size", "[1024, 1024]", "larger than every training label crop")
+
+
+def test_bad_input_class_no_crop_annotates(demo_data, tmp_path):
+    r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d", "--data.classes",
+                                                  "mito,perox"), timeout=120)
+    _fails_with(r, "data.classes", "'perox'", "mito")
+
+
+def test_bad_input_batch_not_divisible_by_data_parallel_degree(demo_data, tmp_path):
+    r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d",
+                                                  "--training.batch_size", "3"), timeout=120)
+    _fails_with(r, "training.batch_size=3", "data-parallel degree 2")
+
+
+def test_bad_input_config_key(demo_data, tmp_path):
+    r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d", "--training.setps",
+                                                  "3"), timeout=120)
+    _fails_with(r, "training.setps", "training.steps")

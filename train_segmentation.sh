@@ -1,0 +1,20 @@
+#!/bin/bash
+# SLURM batch script: segmentation training on several nodes with torchrun (one task per node).
+#
+#   sbatch --nodes 4 train_segmentation.sh train_configs/demo_segmentation_3d.toml [--section.key value ...]
+#
+# Edit the #SBATCH lines (partition, account, GPUs per node, time) for your cluster.
+#SBATCH --job-name=em-seg
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=72
+#SBATCH --time=24:00:00
+#SBATCH --output=slurm-%x-%j.out
+#SBATCH --requeue
+
+SCRIPT=${SCRIPT:-train_segmentation.py}
+# Under sbatch the script runs from a spool copy: find the repository from the submit folder.
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(dirname "$(readlink -f "$0")")}}
+export REPO
+exec bash "$REPO/helpers/slurm_launch.sh" "$SCRIPT" "$@"
