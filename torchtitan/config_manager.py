@@ -258,7 +258,9 @@ class Metrics:
     )
     enable_tensorboard: bool = opt(True, "Write TensorBoard event files.")
     save_tb_folder: str = opt("logs", "Log folder, relative to job.dump_folder.")
-    progress_bar: bool = opt(True, "Show a progress bar on rank 0.")
+    progress_bar: bool = opt(
+        True, "Show a progress bar on rank 0 when stderr is a terminal (else log lines)."
+    )
 
 
 @dataclass

@@ -133,7 +133,7 @@ class Trainer:
         model = parallelize(model, self.dims, self.mesh, self.cfg)
         model.to_empty(device=self.device)
         with torch.no_grad():
-            model.init_weights() if hasattr(model, "init_weights") else None
+            model.init_weights()  # also computes buffers that are not in the state dict
         reference = None
         if self.rank == 0:
             torch.manual_seed(self.cfg.training.seed)
@@ -227,11 +227,6 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=total, initial=start, desc=self.task.name, dynamic_ncols=True)
-        elif self.rank == 0 and cfg.metrics.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, initial=start, desc=self.task.name, mininterval=30,
-                       file=sys.stderr)
         self.model.train()
         scores: dict[str, float] = {}
         for step in range(start + 1, total + 1):
@@ -241,7 +236,7 @@ class Trainer:
             self.state.step = step
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if step % cfg.metrics.log_freq == 0 or step == total or step == start + 1:
                 values = {"loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
                           "grad_norm": grad_norm, **meter.report()}

@@ -1,0 +1,132 @@
+"""Sampler, loader split, metrics and sliding-window inference (single process, fast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan.config_manager import ConfigManager
+from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.datasets.loader import (
+    GlobalBatchSampler,
+    build_loader,
+    build_segmentation_samples,
+    load_segmentation_data,
+    split_crops,
+)
+from torchtitan.evaluation import ConfusionCounts, semantic_scores
+from torchtitan.inference import num_predict_calls, predict_volume, sliding_window
+
+
+def _take(sampler, n):
+    it = iter(sampler)
+    return [next(it) for _ in range(n)]
+
+
+def test_global_batch_is_independent_of_the_number_of_ranks():
+    one = _take(GlobalBatchSampler(8, 0, 1), 3)
+    for dp in (2, 4):
+        per_rank = [_take(GlobalBatchSampler(8, r, dp), 3) for r in range(dp)]
+        for step in range(3):
+            assert sum((per_rank[r][step] for r in range(dp)), []) == one[step]
+
+
+def test_sampler_restarts_at_a_step():
+    assert _take(GlobalBatchSampler(4, 1, 2, start_step=5), 1) == [[22, 23]]
+    with pytest.raises(ValueError, match="not divisible"):
+        GlobalBatchSampler(6, 0, 4)
+
+
+def _cfg(data, *extra):
+    return ConfigManager().parse_args(["--job.config_file", "train_configs/debug_segmentation_2d.toml",
+                                       "--data.dataset_path", str(data), *extra])
+
+
+def test_loader_batches_equal_with_and_without_workers_and_after_restart(demo_data):
+    cfg = _cfg(demo_data)
+    sources, train, _ = load_segmentation_data(cfg)
+    ds = build_segmentation_samples(cfg, sources, train)
+    it0 = iter(build_loader(ds, 4, 0, 1, start_step=0, num_workers=0))
+    batches = [next(it0) for _ in range(3)]
+    it2 = iter(build_loader(ds, 4, 0, 1, start_step=2, num_workers=2))
+    resumed = next(it2)
+    for key in ("image", "target", "valid", "index"):
+        assert torch.equal(batches[2][key], resumed[key]), key
+    assert resumed["index"].tolist() == [8, 9, 10, 11]
+
+
+def test_validation_crops_are_disjoint_from_training(demo_data):
+    cfg = _cfg(demo_data)
+    sources, train, val = load_segmentation_data(cfg)
+    assert val and train
+    assert not {c.full_name for c in train} & {c.full_name for c in val}
+    named = _cfg(demo_data, "--data.val_crops", "crop1,jrc_synth-2/crop5")
+    _, train2, val2 = load_segmentation_data(named)
+    assert [c.full_name for c in val2] == ["jrc_synth-1/crop1", "jrc_synth-2/crop5"]
+    assert len(train2) + 2 == len(train) + len(val)
+    with pytest.raises(DatasetError, match="crop99"):
+        load_segmentation_data(_cfg(demo_data, "--data.val_crops", "crop99"))
+
+
+def test_split_prefers_crops_with_every_class(demo_data):
+    cfg = _cfg(demo_data)
+    sources, train, val = load_segmentation_data(cfg)
+    crops = train + val
+    _, val = split_crops(crops, ["nuc", "mito"], [], 0.25, seed=3)
+    assert all({"nuc", "mito"} <= set(c.classes) for c in val)
+
+
+def test_iou_and_dice_by_hand():
+    counts = ConfusionCounts(3)
+    pred = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0]]).bool()
+    target = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]).bool()
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]).bool()
+    counts.update(pred, target, valid)
+    iou = counts.iou()
+    assert iou[0] == pytest.approx(1 / 3)  # tp 1, fp 1, fn 1
+    assert iou[1] == 1.0  # empty prediction of an empty class
+    assert np.isnan(iou[2])  # not annotated anywhere: not scored
+    scores = semantic_scores(counts, ["a", "b", "c"])
+    assert scores["val/dice/a"] == pytest.approx(0.5)
+    assert "val/iou/c" not in scores
+    assert scores["val/mean_iou"] == pytest.approx((1 / 3 + 1) / 2)
+
+
+def test_iou_pools_counts_over_crops():
+    counts = ConfusionCounts(1)
+    counts.update(torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]))
+    counts.update(torch.tensor([[0, 0]]), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]))
+    assert counts.iou()[0] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("blend", ["gaussian", "constant"])
+def test_sliding_window_equals_whole_volume_for_a_local_model(blend):
+    """A voxel-wise model has no border effects: tiling and blending must not change it."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(1, 2, kernel_size=1)
+    volume = torch.randn(1, 10, 37, 29)
+    whole = conv(volume[None])[0]
+    tiled = sliding_window(lambda x: conv(x), volume, (8, 16, 16), 2, overlap=0.5, blend=blend)
+    torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_2d_models_predict_plane_by_plane_and_call_counts_match():
+    conv = torch.nn.Conv2d(1, 3, kernel_size=1)
+    volume = torch.randn(1, 5, 20, 40)
+    calls = []
+
+    def predict(x):
+        calls.append(x.shape[0])
+        return conv(x)
+
+    out = predict_volume(predict, volume, (16, 16), 3, overlap=0.25, batch_size=4)
+    expected = torch.stack([conv(volume[:, z][None])[0] for z in range(5)], dim=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == num_predict_calls((5, 20, 40), (16, 16), 0.25, 4)
+
+
+def test_inputs_smaller_than_the_window_are_padded():
+    volume = torch.randn(1, 3, 5, 6)
+    out = sliding_window(lambda x: x * 2, volume, (4, 8, 8), 1)
+    torch.testing.assert_close(out, volume * 2)
