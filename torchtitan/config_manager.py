@@ -317,7 +317,23 @@ class Model:
     decoder_depth: int = opt(2, "MAE: decoder transformer blocks.", min=1)
     decoder_num_heads: int = opt(8, "MAE: decoder attention heads.", min=1)
     norm_pix_loss: bool = opt(False, "MAE: normalize each target patch (per-patch mean/std).")
-    head: str = opt("linear", "Segmentation head.", choices=("linear",))
+    head: str = opt(
+        "linear",
+        "Segmentation head: 'linear' (1x1 conv on patch features, logits resized) or 'upconv' "
+        "(x2 upsampling stages with a skip from the input, for thin structures).",
+        choices=("linear", "upconv"),
+    )
+    head_channels: int = opt(64, "Segmentation 'upconv' head: channels of its first stage.", min=1)
+    loss: str = opt(
+        "bce",
+        "Segmentation loss: per-class 'bce', soft 'dice', 'bce_dice' (multi-label, per-class "
+        "validity masks) or 'ce' (mutually exclusive classes, invalid voxels ignored).",
+        choices=("bce", "dice", "bce_dice", "ce"),
+    )
+    class_weights: list[float] = opt(
+        [], "Per-class loss weights in data.classes order; empty = all 1.", min=0
+    )
+    freeze_backbone: bool = opt(False, "Segmentation: train only the head (backbone frozen).")
     backbone_out_layers: str = opt(
         "four_even_intervals",
         "Backbone blocks whose outputs feed the segmentation head.",
@@ -327,6 +343,22 @@ class Model:
         "sdpa", "Attention kernel ('auto' picks fa4 when available).",
         choices=("sdpa", "fa4", "auto"),
     )
+
+
+@dataclass
+class Inference:
+    """Sliding-window prediction (validation during training and predict.py)."""
+
+    overlap: float = opt(
+        0.25, "Overlap of neighbouring windows, as a fraction of the window.",
+        check=(_fraction_below_one, "must be in [0, 1)"),
+    )
+    blend: str = opt(
+        "gaussian", "Blending of overlapping windows.", choices=("gaussian", "constant")
+    )
+    batch_size: int = opt(8, "Windows per forward pass (per rank).", min=1)
+    threshold: float = opt(0.5, "Probability above which a voxel is foreground.",
+                           check=(_fraction, "must be in [0, 1]"))
 
 
 @dataclass
@@ -354,6 +386,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     model: Model = field(default_factory=Model)
+    inference: Inference = field(default_factory=Inference)
     comm: Comm = field(default_factory=Comm)
 
 
@@ -806,6 +839,12 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
         problems.append(
             f"'model.decoder_dim' = {model.decoder_dim} is not divisible by "
             f"'model.decoder_num_heads' = {model.decoder_num_heads}"
+        )
+    if model.class_weights and len(model.class_weights) != len(config.data.classes):
+        problems.append(
+            f"'model.class_weights' has {len(model.class_weights)} entries but 'data.classes' "
+            f"has {len(config.data.classes)} ({', '.join(config.data.classes)}); give one weight "
+            "per class, or none"
         )
     return problems
 
