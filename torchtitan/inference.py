@@ -106,3 +106,77 @@ def num_predict_calls(spatial: tuple[int, ...], window: tuple[int, ...], overlap
     for s, w in zip(spatial, window):
         n *= len(window_starts(max(s, w), w, overlap))
     return -(-n // batch_size)
+
+
+def _block_starts(size: int, block: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + block, size)) for lo in range(0, size, block)]
+
+
+def block_shape_for_budget(shape: tuple[int, int, int], window: tuple[int, int, int],
+                           num_outputs: int, max_block_bytes: float) -> tuple[int, int, int]:
+    """The largest block (a multiple of the window along y and x) whose float32 output and
+    weight buffers fit ``max_block_bytes``; whole planes are split before depth is."""
+    per_voxel = 4 * (num_outputs + 1)
+    block = list(shape)
+    while np.prod(block) * per_voxel > max_block_bytes:
+        ax = int(np.argmax([b / w for b, w in zip(block, window)]))
+        if block[ax] <= window[ax]:
+            break
+        block[ax] = max(window[ax], int(np.ceil(block[ax] / 2 / window[ax])) * window[ax])
+    return tuple(int(b) for b in block)  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def predict_blockwise(predict: Callable[[torch.Tensor], torch.Tensor],
+                      read_input: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor],
+                      write_block: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None],
+                      shape: tuple[int, int, int], window: tuple[int, ...], num_outputs: int,
+                      overlap: float = 0.25, blend: str = "gaussian", batch_size: int = 8,
+                      block_shape: tuple[int, int, int] | None = None,
+                      rank: int = 0, world_size: int = 1, progress=None) -> int:
+    """Predict a (D, H, W) volume that need not fit in memory, one output block at a time.
+
+    Windows lie on one global grid (the grid :func:`sliding_window` uses for the whole
+    volume), so the blended result does not depend on the block size: each block gathers the
+    windows that overlap it, reads their input on demand with ``read_input(lo, hi)`` (a
+    (C, *window) tensor; the region may extend past the volume, to be padded by the reader),
+    and hands the finished block to ``write_block(lo, hi, values)``. Blocks are dealt out
+    round-robin to ``world_size`` ranks. Returns the number of blocks this rank wrote.
+    """
+    window3 = tuple(window) if len(window) == 3 else (1, *window)
+    is_2d = len(window) == 2
+    weight = blending_weights(window3, blend)
+    starts = [window_starts(max(s, w), w, overlap) for s, w in zip(shape, window3)]
+    blocks = list(product(*[_block_starts(s, b) for s, b in
+                            zip(shape, block_shape or shape)]))
+    done = 0
+    for index, block in enumerate(blocks):
+        if index % world_size != rank:
+            continue
+        lo = tuple(b[0] for b in block)
+        hi = tuple(b[1] for b in block)
+        out = torch.zeros((num_outputs, *[h - l for l, h in zip(lo, hi)]))
+        norm = torch.zeros(out.shape[1:])
+        mine = [[s for s in st if s < h and s + w > l]
+                for st, l, h, w in zip(starts, lo, hi, window3)]
+        todo = list(product(*mine))
+        for i in range(0, len(todo), batch_size):
+            chunk = todo[i:i + batch_size]
+            batch = torch.stack([read_input(st, tuple(s + w for s, w in zip(st, window3)))
+                                 for st in chunk])
+            pred = predict(batch[:, :, 0]).unsqueeze(2) if is_2d else predict(batch)
+            pred = pred.float().cpu()
+            for st, p in zip(chunk, pred):
+                # Intersection of the window with the block, in both frames.
+                src = tuple(slice(max(l - s, 0), min(h - s, w))
+                            for s, l, h, w in zip(st, lo, hi, window3))
+                dst = tuple(slice(max(s - l, 0), max(s - l, 0) + (sl.stop - sl.start))
+                            for s, l, sl in zip(st, lo, src))
+                out[(slice(None), *dst)] += p[(slice(None), *src)] * weight[src]
+                norm[dst] += weight[src]
+        out /= norm.clamp_min(1e-8)
+        write_block(lo, hi, out)
+        done += 1
+        if progress is not None:
+            progress(1)
+    return done

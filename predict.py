@@ -1,0 +1,65 @@
+"""Predict whole EM volumes, regions or label crops with a trained segmentation model.
+
+    python predict.py --checkpoint outputs/run/checkpoint --crops all --out pred.zarr
+    python predict.py --checkpoint outputs/run/checkpoint/step-300 --dataset jrc_synth-1 \
+        --roi 0:640,0:1280,0:1280 --out pred.zarr --probabilities
+    torchrun --nproc_per_node 4 predict.py --checkpoint model.pth --config run/config.toml \
+        --dataset jrc_hela-2 --out hela2.zarr          # blocks split across ranks
+
+The run's ``config.toml`` (found next to the checkpoint, or given with --config) rebuilds the
+model; the output is OME-NGFF zarr that napari and neuroglancer open, in the CellMap
+submission layout for crops (``PRED.zarr/crop<N>/<class>``). See torchtitan/predictor.py.
+"""
+
+import argparse
+import sys
+
+from torchtitan.checkpoint import CheckpointError
+from torchtitan.config_manager import ConfigError
+from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.metrics import setup_logging
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="DCP step folder, a run's checkpoint folder (latest step), or a .pth")
+    p.add_argument("--config", help="the run's config.toml (default: found beside the checkpoint)")
+    p.add_argument("--data", help="data root (default: the run's data.dataset_path)")
+    p.add_argument("--crops", help="predict label crops: 'all' or names (crop3,jrc_x/crop4)")
+    p.add_argument("--dataset", help="predict this dataset's EM volume (or --roi of it)")
+    p.add_argument("--roi", help="region in nm: z0:z1,y0:y1,x0:x1")
+    p.add_argument("--out", required=True, help="output zarr (created or updated)")
+    p.add_argument("--probabilities", action="store_true", help="write float32 probabilities")
+    p.add_argument("--threshold", type=float, default=0.5, help="mask threshold (default 0.5)")
+    p.add_argument("--instances", action="store_true",
+                   help="instance ids (connected components) for CellMap instance classes")
+    p.add_argument("--batch_size", type=int, default=0, help="windows per forward (default: config)")
+    p.add_argument("--max_block_mb", type=float, default=1024,
+                   help="memory for one output block's buffers, MiB (default 1024)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import os
+
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(rank)
+    args = parse_args(argv)
+    from torchtitan.predictor import predict_regions
+
+    try:
+        written = predict_regions(args)
+    except (ConfigError, DatasetError, CheckpointError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        for path in written:
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
