@@ -130,3 +130,40 @@ def test_inputs_smaller_than_the_window_are_padded():
     volume = torch.randn(1, 3, 5, 6)
     out = sliding_window(lambda x: x * 2, volume, (4, 8, 8), 1)
     torch.testing.assert_close(out, volume * 2)
+
+
+def test_blockwise_prediction_equals_whole_volume_prediction():
+    """A volume larger than the memory budget is predicted block by block, windows on one
+    global grid, so the blended result is identical to predicting it at once."""
+    from torchtitan.inference import block_shape_for_budget, predict_blockwise
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(1, 2, kernel_size=1)
+    volume = torch.randn(1, 20, 45, 37)
+
+    def model(x):  # depends on the whole window: blending matters
+        return conv(x) + x.mean(dim=(2, 3, 4), keepdim=True)
+
+    whole = sliding_window(model, volume, (8, 16, 16), 2, overlap=0.25)
+
+    def read(lo, hi):
+        out = torch.zeros(1, *[h - l for l, h in zip(lo, hi)])
+        src = volume[:, lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]]
+        out[:, :src.shape[1], :src.shape[2], :src.shape[3]] = src
+        return out
+
+    result = torch.full((2, 20, 45, 37), float("nan"))
+
+    def write(lo, hi, values):
+        result[:, lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]] = values
+
+    budget = 20_000 * 12  # bytes: far less than the 20*45*37 volume's buffers
+    block = block_shape_for_budget((20, 45, 37), (8, 16, 16), 2, budget)
+    assert np.prod(block) < 20 * 45 * 37
+    blocks = predict_blockwise(model, read, write, (20, 45, 37), (8, 16, 16), 2,
+                               overlap=0.25, block_shape=block)
+    assert blocks > 1
+    torch.testing.assert_close(result, whole, atol=1e-6, rtol=1e-6)
+    # Two ranks each write half of the blocks.
+    assert predict_blockwise(model, read, write, (20, 45, 37), (8, 16, 16), 2,
+                             block_shape=block, rank=1, world_size=2) == blocks // 2
