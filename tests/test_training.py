@@ -3,6 +3,7 @@ MAE -> segmentation, and bad inputs that must stop every rank with one clear mes
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -81,8 +82,12 @@ def test_resume_continues_after_the_last_checkpoint(demo_data, tmp_path):
     records = [r for r in read_jsonl(dump / "logs" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6], "resumed at step 5, not from 1"
     assert (dump / "checkpoint" / "step-6" / ".metadata").is_file()
-    # keep_latest_k = 2: only the two newest checkpoints remain.
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4", "step-6"]
+    # keep_latest_k = 2: only the two newest checkpoints remain (the best one is kept too,
+    # and here it is one of them), and best.json names the best validation step.
+    folders = sorted(p.name for p in (dump / "checkpoint").iterdir() if p.is_dir())
+    assert folders == ["step-4", "step-6"]
+    best = json.loads((dump / "checkpoint" / "best.json").read_text())
+    assert best["step"] in (4, 6) and "val/mean_iou" in best
     # A run of 6 steps in one go sees the same batches and reaches the same losses.
     straight = tmp_path / "straight"
     _ok(launch("train_segmentation.py", _seg_args(demo_data, straight, "--training.steps", "6")))

@@ -15,6 +15,7 @@ ranks loads under DDP or on one process.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -80,6 +81,8 @@ class CheckpointManager:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.train_state = train_state  # has state_dict() / load_state_dict()
+        self.pending = None  # (future, step) of an asynchronous save not yet finalised
+        self.best_step: int | None = None
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -94,7 +97,13 @@ class CheckpointManager:
     def should_save(self, step: int, last_step: bool) -> bool:
         return self.enabled and (last_step or step % self.cfg.interval == 0)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, model_only: bool = False) -> Path:
+        """Write ``step-N`` atomically: into ``.step-N.tmp``, renamed once every rank is done.
+
+        With ``async_mode = "async"`` the write runs in the background (after a copy of the
+        state to host memory) and is finalised before the next save or at :meth:`close`.
+        """
+        self.wait()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f".step-{step}.tmp"
         if _is_rank0():
@@ -102,23 +111,56 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
         _barrier()
-        dcp.save(self._state(), checkpoint_id=str(tmp))
-        _barrier()
+        if model_only:
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.export_dtype]
+            state = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}}
+        else:
+            state = self._state()
+        if self.cfg.async_mode == "async" and not model_only:
+            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp)), step)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))
+        self._finalize(step)
+        return final
+
+    def wait(self) -> None:
+        """Finish a pending asynchronous save (no-op when there is none)."""
+        if self.pending is not None:
+            future, step = self.pending
+            future.result()
+            self.pending = None
+            self._finalize(step)
+
+    def _finalize(self, step: int) -> None:
+        _barrier()  # every rank's files and DCP's .metadata are written
+        final = self.folder / f"step-{step}"
         if _is_rank0():
             if final.exists():
                 shutil.rmtree(final)
-            os.replace(tmp, final)
+            os.replace(self.folder / f".step-{step}.tmp", final)
             self._purge()
         _barrier()
         logger.info("saved checkpoint %s", final)
-        return final
+
+    def mark_best(self, step: int, score: float, metric: str) -> None:
+        """Record ``step`` as the best checkpoint (kept by ``keep_latest_k`` purging)."""
+        self.best_step = step
+        if _is_rank0():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / ".best.json.tmp"
+            tmp.write_text(json.dumps({"step": step, metric: score}) + "\n")
+            os.replace(tmp, self.folder / "best.json")
 
     def _purge(self) -> None:
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
+        best = self.best_step
+        if best is None and (self.folder / "best.json").is_file():
+            best = json.loads((self.folder / "best.json").read_text())["step"]
         for step in complete_steps(self.folder)[:-k]:
-            shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+            if step != best:
+                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -136,21 +178,57 @@ class CheckpointManager:
                 )
             step = self.cfg.load_step
         elif steps:
-            step = steps[-1]
+            # The newest checkpoint that can resume training (a model-only final export
+            # cannot).
+            full = [s for s in steps if any(k.startswith("optimizer.") for k in
+                                            checkpoint_keys(self.folder / f"step-{s}"))]
+            if not full:
+                raise CheckpointError(
+                    f"{self.folder} holds only model-only checkpoints {steps}; start a new "
+                    "dump_folder and seed it with checkpoint.initial_load_path"
+                )
+            step = full[-1]
         else:
-            if self.cfg.initial_load_path:
+            if self.cfg.initial_load_path and self.cfg.initial_load_model_only:
                 load_model_weights(self.model, self.cfg.initial_load_path,
                                    self.cfg.initial_load_prefix_map)
+            elif self.cfg.initial_load_path:
+                return self.load_full(resolve_step_folder(self.cfg.initial_load_path),
+                                      self.cfg.exclude_from_loading)
             return 0
-        path = self.folder / f"step-{step}"
-        state = self._state()
+        return self.load_full(self.folder / f"step-{step}", self.cfg.exclude_from_loading)
+
+    def load_full(self, path: Path, exclude: list[str] = ()) -> int:
+        """Restore model, optimizer, schedule and train state (minus ``exclude``) from
+        ``path``; returns the restored step (0 when the train state is excluded)."""
+        stored = {k.split(".")[0] for k in checkpoint_keys(path)}
+        if "optimizer" not in stored:
+            raise CheckpointError(
+                f"{path} holds only model weights (a seed or model-only export); load it with "
+                "checkpoint.initial_load_path instead of resuming from it"
+            )
+        state = {k: v for k, v in self._state().items() if k not in exclude}
         dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.train_state.load_state_dict(state["train_state"])
-        logger.info("resumed from %s", path)
+        if "model" in state:
+            set_model_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        step = 0
+        if "train_state" in state:
+            self.train_state.load_state_dict(state["train_state"])
+            step = self.train_state.step
+        logger.info("resumed from %s%s", path, f" (not restored: {exclude})" if exclude else "")
         return step
+
+
+def resolve_step_folder(path: str | os.PathLike) -> Path:
+    """A step folder as given, or the latest complete step of a run's checkpoint folder."""
+    path = Path(path)
+    if not (path / ".metadata").is_file() and complete_steps(path):
+        path = path / f"step-{complete_steps(path)[-1]}"
+    return path
 
 
 def _parse_prefix_map(items: list[str]) -> list[tuple[str, str]]:
@@ -176,9 +254,7 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
     encoder into a segmentation backbone, leaving the new head as initialised); without one,
     every model key must be present. A missing key is an error, never silently skipped.
     """
-    path = Path(path)
-    if not (path / ".metadata").is_file() and complete_steps(path):
-        path = path / f"step-{complete_steps(path)[-1]}"  # a run's checkpoint folder: latest
+    path = resolve_step_folder(path)
     if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"checkpoint.initial_load_path {str(path)!r} is not a complete DCP checkpoint "

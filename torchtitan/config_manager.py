@@ -233,6 +233,25 @@ class Checkpoint:
     async_mode: str = opt(
         "disabled", "Save checkpoints in the background.", choices=("disabled", "async")
     )
+    exclude_from_loading: list[str] = opt(
+        [],
+        "Parts of a checkpoint not restored on resume (model, optimizer, lr_scheduler, "
+        "train_state), e.g. to restart the schedule from a checkpoint's weights.",
+        check=(lambda v: set(v) <= {"model", "optimizer", "lr_scheduler", "train_state"},
+               "entries must be model, optimizer, lr_scheduler or train_state"),
+    )
+    last_save_model_only: bool = opt(
+        False, "The final checkpoint holds only the model weights (in export_dtype)."
+    )
+    export_dtype: str = opt(
+        "float32", "Weight dtype of a model-only final checkpoint.",
+        choices=("float32", "bfloat16"),
+    )
+    create_seed_checkpoint: bool = opt(
+        False,
+        "Only initialise the model from training.seed, save it as checkpoint/step-0 and exit "
+        "(run on one process; other runs then load it with initial_load_path).",
+    )
 
 
 @dataclass

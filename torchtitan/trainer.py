@@ -88,6 +88,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, task):
         self.cfg = cfg
         self.task = task
+        self.best_score: float | None = None
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.dims = ParallelDims(cfg.training.data_parallel_replicate_degree,
@@ -161,6 +162,8 @@ class Trainer:
         self.state = TrainState(cfg.training.batch_size, self.dims.dp_degree)
         self.checkpoint = CheckpointManager(cfg, self.model, self.optimizer, self.lr_scheduler,
                                             self.state)
+        if cfg.checkpoint.create_seed_checkpoint:
+            return  # the caller saves the freshly initialised model and exits
         self.state.step = self.checkpoint.resume()
         self.metrics = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder,
                                     cfg.metrics.enable_tensorboard, self.rank)
@@ -245,18 +248,48 @@ class Trainer:
                     logger.info("step %d loss %.4f lr %.2e grad_norm %.3f %.0f voxels/s", step,
                                 loss, values["lr"], grad_norm, values["voxels_per_second"])
             last = step == total
+            improved = False
             if last or (cfg.metrics.eval_freq > 0 and step % cfg.metrics.eval_freq == 0):
                 scores = self.validate(step)
-            if self.checkpoint.should_save(step, last):
-                self.checkpoint.save(step)
+                improved = self._is_best(scores)
+            if self.checkpoint.should_save(step, last) or (improved and self.checkpoint.enabled):
+                model_only = last and cfg.checkpoint.last_save_model_only
+                self.checkpoint.save(step, model_only=model_only)
+                if improved:
+                    self.checkpoint.mark_best(step, self.best_score, self.task.best_metric)
         if bar is not None:
             bar.close()
         if start >= total and not scores:
             scores = self.validate(start)
         return scores
 
+    def _is_best(self, scores: dict[str, float]) -> bool:
+        """Whether this validation beats every earlier one on the task's best metric."""
+        metric = getattr(self.task, "best_metric", None)
+        if metric is None or metric not in scores:
+            return False
+        value = scores[metric] if self.task.best_higher else -scores[metric]
+        if self.best_score is None or value > self.best_score:
+            self.best_score = value
+            return True
+        return False
+
+    def save_seed_checkpoint(self) -> None:
+        """``checkpoint.create_seed_checkpoint``: the initialised model as ``step-0``."""
+        if self.world_size != 1:
+            raise ParallelismError(
+                "checkpoint.create_seed_checkpoint runs on one process; launch it with "
+                "python (or torchrun --nproc_per_node 1)"
+            )
+        path = self.checkpoint.save(0, model_only=True)
+        print(f"seed checkpoint written to {path}; load it with "
+              f"--checkpoint.initial_load_path {path}")
+
     def close(self) -> None:
-        self.metrics.close()
+        if hasattr(self, "checkpoint"):
+            self.checkpoint.wait()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -280,9 +313,12 @@ def run(task_cls, argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.setup()
-        scores = trainer.train()
-        if rank == 0:
-            task.summary(scores)
+        if cfg.checkpoint.create_seed_checkpoint:
+            trainer.save_seed_checkpoint()
+        else:
+            scores = trainer.train()
+            if rank == 0:
+                task.summary(scores)
         trainer.close()
     except USER_ERRORS as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)

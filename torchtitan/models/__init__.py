@@ -23,6 +23,7 @@ from typing import Any
 
 from .attention import attention, resolve_attention_backend
 from .flops import training_flops_per_sample
+from .losses import LOSSES, build_loss, predict_probabilities
 from .mae import MaskedAutoencoder
 from .rope import RopePositionEmbedding, rope_apply
 from .segmentation import SegmentationModel, masked_bce_loss
@@ -92,14 +93,17 @@ __all__ = [
     "BACKBONES",
     "Block",
     "DinoVisionTransformer",
+    "LOSSES",
     "MaskedAutoencoder",
     "RopePositionEmbedding",
     "SegmentationModel",
     "attention",
     "backbone_config",
     "build_backbone",
+    "build_loss",
     "list_backbones",
     "masked_bce_loss",
+    "predict_probabilities",
     "resolve_attention_backend",
     "rope_apply",
     "training_flops_per_sample",

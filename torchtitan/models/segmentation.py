@@ -1,26 +1,44 @@
-"""Semantic segmentation on a DINOv3 ViT backbone: a linear head on multi-layer features.
+"""Semantic segmentation on a DINOv3 ViT backbone: multi-layer features -> a head -> logits.
 
-The head is DINOv3's linear segmentation head without its BatchNorm: features of a few
-blocks (by default four at even intervals), each normalised with the backbone's final norm,
-are reshaped to patch grids, concatenated on channels and mapped to class logits by a 1x1
-convolution; the logits are upsampled (bilinear / trilinear) to the requested output size.
-There is no BatchNorm anywhere, so results do not depend on how a batch is split across ranks.
+Both heads read the same features: the outputs of a few blocks (by default four at even
+intervals), each normalised with the backbone's final norm and reshaped to a patch grid,
+concatenated on channels.
 
-Labels are one binary channel per class, so the loss is a per-voxel, per-class sigmoid
-cross-entropy, counted only where the label is known (``masked_bce_loss``).
+* ``LinearHead`` ("linear"): DINOv3's linear segmentation head without its BatchNorm. A 1x1
+  convolution maps the features to class logits on the patch grid; the logits are upsampled
+  (bilinear / trilinear) to the requested output size.
+* ``UpConvHead`` ("upconv"): a light convolutional decoder for thin structures (membranes a few
+  voxels thick), which a patch-resolution prediction cannot draw. A 1x1 convolution projects
+  the features to ``head_channels``; stages of (x2 transposed convolution, 3x3 convolution,
+  GroupNorm, GELU) then double the resolution and halve the channels (down to 16) until the
+  input resolution is reached, where a few convolutions on the input image itself join as a
+  skip connection before the last convolution and the 1x1 classifier.
+
+There is no BatchNorm anywhere: every normalisation is per sample, so results do not depend
+on how a batch is split across ranks.
+
+The losses live in ``losses.py``; ``masked_bce_loss`` is re-exported here for older imports.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .losses import masked_bce_loss  # noqa: F401  (re-exported)
 from .vit import DinoVisionTransformer
 
 OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
+HEADS = ("linear", "upconv")
+
+# FLOPs per multiply-accumulate, as in flops.py (which imports this module): 2 in the forward
+# pass, 4 in the backward pass (gradients of input and weight; 2 when the input needs none).
+_FORWARD, _BACKWARD = 2, 4
 
 
 def backbone_out_indices(depth: int, out_layers: str | Sequence[int]) -> list[int]:
@@ -46,8 +64,16 @@ def backbone_out_indices(depth: int, out_layers: str | Sequence[int]) -> list[in
     return indices
 
 
+def _conv_training_flops(conv: nn.Module, positions: int, input_needs_grad: bool = True) -> int:
+    """Forward + backward FLOPs of a convolution evaluated at ``positions`` places (output
+    positions for a convolution, input positions for a transposed one)."""
+    per_mac = _FORWARD + (_BACKWARD if input_needs_grad else _BACKWARD // 2)
+    return per_mac * positions * conv.weight.numel()
+
+
+# ----------------------------------------------------------------------------- linear head
 class LinearHead(nn.Module):
-    """Concatenated feature maps -> dropout -> 1x1 conv to class logits."""
+    """Concatenated feature maps -> dropout -> 1x1 conv to class logits (on the patch grid)."""
 
     def __init__(self, ndim: int, in_channels: int, num_classes: int, dropout: float = 0.0):
         super().__init__()
@@ -60,12 +86,140 @@ class LinearHead(nn.Module):
         nn.init.normal_(self.conv.weight, std=0.01)
         nn.init.zeros_(self.conv.bias)
 
-    def forward(self, features: list[Tensor]) -> Tensor:
+    def forward(self, features: list[Tensor], image: Tensor | None = None) -> Tensor:
+        """``image`` is accepted for a common head interface and not used."""
         return self.conv(self.dropout(torch.cat(features, dim=1)))
 
+    def training_flops(self, grid: Sequence[int], features_need_grad: bool = True) -> int:
+        """Forward + backward FLOPs for one sample whose patch grid is ``grid``."""
+        return _conv_training_flops(self.conv, math.prod(grid), features_need_grad)
 
+
+# ----------------------------------------------------------------------------- upconv head
+def _group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with up to 8 groups (a divisor of ``channels``): per sample, batch-split safe."""
+    groups = next(g for g in (8, 4, 2, 1) if channels % g == 0)
+    return nn.GroupNorm(groups, channels)
+
+
+class ConvNormAct(nn.Sequential):
+    """3x3 (x3) convolution, 'same' padding -> GroupNorm -> GELU."""
+
+    def __init__(self, ndim: int, in_channels: int, out_channels: int):
+        conv = {2: nn.Conv2d, 3: nn.Conv3d}[ndim]
+        super().__init__(
+            conv(in_channels, out_channels, kernel_size=3, padding=1),
+            _group_norm(out_channels),
+            nn.GELU(),
+        )
+
+
+class UpStage(nn.Module):
+    """x2 upsampling by a stride-2 transposed convolution, then ConvNormAct."""
+
+    def __init__(self, ndim: int, in_channels: int, out_channels: int):
+        super().__init__()
+        up = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[ndim]
+        self.up = up(in_channels, out_channels, kernel_size=2, stride=2)
+        self.conv = ConvNormAct(ndim, out_channels, out_channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(self.up(x))
+
+
+class UpConvHead(nn.Module):
+    """Patch features -> full-resolution logits, for thin structures.
+
+    Shapes for patch size p = 2^S and ``channels`` = C (c_s = max(C / 2^s, 16))::
+
+        features (B, F, *grid) -- dropout, 1x1 conv ---------------> (B, C,   *grid)
+        S x UpStage: x2 transposed conv, 3x3 conv, GN, GELU -------> (B, c_S, *grid * p)
+        image (B, in_chans, *grid * p) -- 2 x ConvNormAct ---------> (B, 16,  *grid * p)
+        concat -> ConvNormAct -> 1x1 conv -------------------------> (B, num_classes, *grid * p)
+    """
+
+    MIN_CHANNELS = 16
+
+    def __init__(
+        self,
+        ndim: int,
+        in_channels: int,
+        num_classes: int,
+        patch_size: int,
+        image_channels: int,
+        channels: int = 64,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if patch_size < 1 or patch_size & (patch_size - 1):
+            raise ValueError(
+                f"The 'upconv' head upsamples by x2 per stage and needs a power-of-two patch size; "
+                f"got patch_size={patch_size} (use e.g. 8, 16 or 32, or the 'linear' head)"
+            )
+        conv = {2: nn.Conv2d, 3: nn.Conv3d}[ndim]
+        self.ndim = ndim
+        self.patch_size = patch_size
+        min_channels = min(self.MIN_CHANNELS, channels)
+
+        self.dropout = nn.Dropout(dropout)
+        self.proj = conv(in_channels, channels, kernel_size=1)
+        stages, width = [], channels
+        for _ in range(patch_size.bit_length() - 1):  # log2(patch_size) stages
+            out = max(width // 2, min_channels)
+            stages.append(UpStage(ndim, width, out))
+            width = out
+        self.stages = nn.ModuleList(stages)
+        # Skip from the input: edges a voxel wide survive no patch embedding, so look again.
+        self.skip = nn.Sequential(
+            ConvNormAct(ndim, image_channels, min_channels),
+            ConvNormAct(ndim, min_channels, min_channels),
+        )
+        self.fuse = ConvNormAct(ndim, width + min_channels, width)
+        self.classifier = conv(width, num_classes, kernel_size=1)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """PyTorch's default init for the decoder; a small classifier, as in the linear head."""
+        for module in self.modules():
+            if module is not self.classifier and isinstance(
+                module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.GroupNorm)
+            ):
+                module.reset_parameters()
+        nn.init.normal_(self.classifier.weight, std=0.01)
+        nn.init.zeros_(self.classifier.bias)
+
+    def forward(self, features: list[Tensor], image: Tensor) -> Tensor:
+        x = self.proj(self.dropout(torch.cat(features, dim=1)))
+        for stage in self.stages:
+            x = stage(x)
+        x = torch.cat([x, self.skip(image.to(x.dtype))], dim=1)
+        return self.classifier(self.fuse(x))
+
+    def training_flops(self, grid: Sequence[int], features_need_grad: bool = True) -> int:
+        """Forward + backward FLOPs for one sample whose patch grid is ``grid`` (convolutions
+        only; norms, activations and the concatenation are cheap next to them)."""
+        n = math.prod(grid)
+        flops = _conv_training_flops(self.proj, n, features_need_grad)
+        for stage in self.stages:
+            flops += _conv_training_flops(stage.up, n)  # transposed conv: input positions
+            n *= 2**self.ndim
+            flops += _conv_training_flops(stage.conv[0], n)
+        first, second = self.skip[0][0], self.skip[1][0]
+        flops += _conv_training_flops(first, n, input_needs_grad=False)  # the image needs none
+        flops += _conv_training_flops(second, n) + _conv_training_flops(self.fuse[0], n)
+        return flops + _conv_training_flops(self.classifier, n)
+
+
+# ----------------------------------------------------------------------------- model
 class SegmentationModel(nn.Module):
-    """Backbone + linear head; ``forward(x, output_size=None) -> (B, num_classes, *size)``."""
+    """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
+
+    ``head``: "linear" or "upconv" (``head_channels`` sets the width of the latter).
+    ``freeze_backbone``: train only the head. The backbone's parameters stop requiring
+    gradients (the optimizer skips them), its forward runs under ``torch.no_grad`` (no
+    activations kept for backward) and it stays in eval mode (no stochastic depth), as in
+    DINOv3's linear probing.
+    """
 
     def __init__(
         self,
@@ -73,19 +227,39 @@ class SegmentationModel(nn.Module):
         num_classes: int,
         head: str = "linear",
         out_layers: str | Sequence[int] = "four_even_intervals",
+        head_channels: int = 64,
+        freeze_backbone: bool = False,
         dropout: float = 0.0,
     ):
         super().__init__()
-        if head != "linear":
-            raise ValueError(f"Unknown head {head!r}; available: 'linear'")
+        if head not in HEADS:
+            raise ValueError(f"Unknown head {head!r}; available: {', '.join(repr(h) for h in HEADS)}")
         self.backbone = backbone
         self.ndim = backbone.ndim
         self.num_classes = num_classes
+        self.head_name = head
         self.out_indices = backbone_out_indices(len(backbone.blocks), out_layers)
         in_channels = backbone.embed_dim * len(self.out_indices)
-        self.head = LinearHead(self.ndim, in_channels, num_classes, dropout)
-        if not self.head.conv.weight.is_meta:  # on meta, init_weights runs after to_empty
+        if head == "linear":
+            self.head = LinearHead(self.ndim, in_channels, num_classes, dropout)
+        else:
+            self.head = UpConvHead(
+                self.ndim, in_channels, num_classes, backbone.patch_size, backbone.in_chans,
+                channels=head_channels, dropout=dropout,
+            )
+        if not next(self.head.parameters()).is_meta:  # on meta, init_weights runs after to_empty
             self.head.init_weights()
+
+        self.freeze_backbone = freeze_backbone
+        if freeze_backbone:
+            self.backbone.requires_grad_(False)
+            self.backbone.eval()
+
+    def train(self, mode: bool = True) -> "SegmentationModel":
+        super().train(mode)
+        if self.freeze_backbone:
+            self.backbone.eval()
+        return self
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -95,23 +269,12 @@ class SegmentationModel(nn.Module):
 
     def forward(self, x: Tensor, output_size: Sequence[int] | None = None) -> Tensor:
         """Logits (B, num_classes, *output_size); the default output size is the input's."""
-        if output_size is None:
-            output_size = x.shape[2:]
-        features = self.backbone.get_intermediate_layers(x, n=self.out_indices, reshape=True, norm=True)
-        logits = self.head(list(features))
-        mode = "bilinear" if self.ndim == 2 else "trilinear"
-        return F.interpolate(logits, size=tuple(output_size), mode=mode, align_corners=False)
-
-
-def masked_bce_loss(logits: Tensor, targets: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """Binary cross-entropy with logits, summed over valid entries: returns (sum, count).
-
-    logits, targets: (B, K, *spatial); valid broadcastable to them (e.g. (B, K, *spatial) or
-    (B, K, 1, 1, 1) for per-crop class annotation), nonzero where the label is known.
-    Invalid entries contribute nothing and get zero gradient, whatever their targets hold.
-    """
-    valid = (valid > 0).expand_as(logits)
-    safe_targets = torch.where(valid, targets.to(logits.dtype), torch.zeros_like(logits))
-    bce = F.binary_cross_entropy_with_logits(logits, safe_targets, reduction="none")
-    total = torch.where(valid, bce, torch.zeros_like(bce)).sum()
-    return total, valid.sum().to(logits.dtype)
+        output_size = tuple(x.shape[2:] if output_size is None else output_size)
+        frozen = torch.no_grad() if self.freeze_backbone else contextlib.nullcontext()
+        with frozen:
+            features = self.backbone.get_intermediate_layers(x, n=self.out_indices, reshape=True, norm=True)
+        logits = self.head(list(features), x)
+        if tuple(logits.shape[2:]) != output_size:
+            mode = "bilinear" if self.ndim == 2 else "trilinear"
+            logits = F.interpolate(logits, size=output_size, mode=mode, align_corners=False)
+        return logits

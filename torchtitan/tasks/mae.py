@@ -29,6 +29,7 @@ VAL_SAMPLES = 32
 
 class MAETask:
     name = "mae"
+    best_metric, best_higher = "val/reconstruction_loss", False  # marks the best checkpoint
 
     def __init__(self, cfg):
         self.cfg = cfg

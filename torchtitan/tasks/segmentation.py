@@ -14,7 +14,7 @@ from torchtitan.inference import num_predict_calls, predict_volume
 from torchtitan.models import (
     SegmentationModel,
     build_backbone,
-    masked_bce_loss,
+    build_loss,
     training_flops_per_sample,
 )
 from torchtitan.tasks.common import check_backbone, most_forwards
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 class SegmentationTask:
     name = "segmentation"
+    best_metric, best_higher = "val/mean_iou", True  # marks the best checkpoint
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -48,14 +49,18 @@ class SegmentationTask:
         backbone = build_backbone(m.backbone, ndim=m.ndim, in_chans=m.in_chans,
                                   patch_size=m.patch_size, attention=m.attention)
         return SegmentationModel(backbone, len(self.cfg.data.classes), head=m.head,
-                                 out_layers=m.backbone_out_layers)
+                                 out_layers=m.backbone_out_layers, head_channels=m.head_channels,
+                                 freeze_backbone=m.freeze_backbone)
 
     def flops_per_sample(self, model) -> float:
         return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
 
     def loss_terms(self, model, batch):
-        logits = model(batch["image"], output_size=batch["target"].shape[2:])
-        return masked_bce_loss(logits.float(), batch["target"], batch["valid"])
+        """(sum, count) of the configured loss (``model.loss``, see ``models/losses.py``)."""
+        m = self.cfg.model
+        logits = model(batch["image"], output_size=batch["target"].shape[2:]).float()
+        weights = torch.tensor(m.class_weights, device=logits.device) if m.class_weights else None
+        return build_loss(m.loss, weights)(logits, batch["target"], batch["valid"])
 
     # -- validation -----------------------------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""Plot several label crops (EM with class masks) as one GIF: a grid of tiles that step
+through depth together.
+
+    python helpers/plot_volumes_grid.py --data data/demo --out crops.gif
+    python helpers/plot_volumes_grid.py --data data/demo --crops crop1,crop2,jrc_synth-2/crop7 \\
+        --classes mito,nuc,er --cols 3 --out some_crops.gif
+
+Crops differ in depth, so frame t of n shows every crop at the same relative depth
+(t + 0.5) / n. Each crop is read on a grid of ``--voxel_size`` nm (default: its dataset's EM
+voxel size) and zoomed to fit a tile. Classes a crop does not annotate are simply absent
+from its tile; its unannotated voxels are hatched.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+# Make the repository importable when the script is run as `python helpers/<script>.py`.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from helpers.plot_volumes_single import (  # noqa: E402
+    all_crops,
+    canonical_order,
+    find_crop,
+    load_sources,
+    parse_list,
+    parse_voxel_size,
+    read_crop_volume,
+)
+from torchtitan.visualization import grid_frames, save_gif  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--data", required=True, help="folder of <ds>/<ds>.zarr stores, or one <ds>.zarr")
+    parser.add_argument("--crops", default=None,
+                        help="comma-separated crops, e.g. crop1,jrc_synth-2/crop7 (default: all)")
+    parser.add_argument("--classes", default=None, help="comma-separated classes (default: all annotated)")
+    parser.add_argument("--voxel_size", default=None, help="nm, 'z,y,x' or one number (default: each EM's)")
+    parser.add_argument("--out", required=True, help="output GIF")
+    parser.add_argument("--png", default=None, help="also save the middle frame as this PNG")
+    parser.add_argument("--cols", type=int, default=4, help="tiles per row (default: 4)")
+    parser.add_argument("--tile_px", type=int, default=256, help="tile size in pixels (default: 256)")
+    parser.add_argument("--max_frames", type=int, default=32, help="number of depth steps at most (default: 32)")
+    parser.add_argument("--duration_ms", type=int, default=150, help="time per frame (default: 150)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    sources = load_sources(args.data)
+    names = parse_list(args.crops)
+    pairs = all_crops(sources) if names is None else [find_crop(sources, n) for n in names]
+    if not pairs:
+        raise SystemExit(f"no label crops under {args.data}")
+    classes = parse_list(args.classes) or canonical_order(c for _, crop in pairs for c in crop.classes)
+    voxel_size = parse_voxel_size(args.voxel_size)
+
+    tiles = []
+    for source, crop in pairs:
+        vol = read_crop_volume(source, crop, classes, voxel_size)
+        size = "x".join(f"{v:g}" for v in vol["voxel_size"])
+        tiles.append({"em": vol["em"], "masks": vol["truth"], "valid": vol["valid"],
+                      "title": f"{crop.full_name} ({size} nm)"})
+    frames = grid_frames(tiles, classes, cols=args.cols, max_frames=args.max_frames, tile_px=args.tile_px,
+                         title=f"{len(tiles)} crops of {args.data}")
+    path = save_gif(frames, args.out, duration_ms=args.duration_ms)
+    print(f"wrote {path} ({len(frames)} frames, {len(tiles)} crops, {frames[0].width}x{frames[0].height} px)")
+    if args.png:
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        frames[len(frames) // 2].save(args.png)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

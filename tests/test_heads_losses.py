@@ -1,0 +1,312 @@
+"""Tests of the segmentation heads (linear, upconv), frozen backbones and the losses
+(bce, dice, bce_dice, ce): shapes, meta init, validity masks, batch-split invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.models import SegmentationModel, build_backbone, build_loss, predict_probabilities
+from torchtitan.models.losses import LOSSES, masked_bce_loss, soft_dice_loss
+from torchtitan.models.segmentation import UpConvHead
+from torchtitan.tasks.segmentation import SegmentationTask
+
+HEADS = ("linear", "upconv")
+# (input size, output size): non-cubic, and an output size unlike the input's.
+SIZES = {2: ((32, 48), (40, 30)), 3: ((16, 32, 24), (20, 36, 12))}
+
+
+def seg_model(ndim: int, head: str, **kw) -> SegmentationModel:
+    backbone = build_backbone("vit_debug", ndim=ndim, in_chans=1, patch_size=8)
+    return SegmentationModel(backbone, num_classes=3, head=head, head_channels=32, **kw)
+
+
+# ------------------------------------------------------------------------------- heads
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("head", HEADS)
+def test_head_shapes(head, ndim):
+    torch.manual_seed(0)
+    model = seg_model(ndim, head)
+    size, out_size = SIZES[ndim]
+    x = torch.randn(2, 1, *size)
+    assert model(x).shape == (2, 3, *size)
+    logits = model(x, output_size=out_size)
+    assert logits.shape == (2, 3, *out_size)
+    logits.square().mean().backward()
+    assert model.backbone.blocks[0].attn.qkv.weight.grad is not None
+    assert all(p.grad is not None for p in model.head.parameters())
+    assert not any("BatchNorm" in type(m).__name__ for m in model.modules())
+
+
+def test_upconv_channel_schedule():
+    model = seg_model(2, "upconv", out_layers="last")
+    head = model.head
+    assert [s.up.out_channels for s in head.stages] == [16, 16, 16]  # 32 -> 16, min 16
+    assert head.proj.in_channels == model.backbone.embed_dim
+    wide = UpConvHead(3, 64, 2, patch_size=16, image_channels=1, channels=128)
+    assert [s.up.out_channels for s in wide.stages] == [64, 32, 16, 16]
+
+
+def test_upconv_sees_single_voxels():
+    """Through its image skip, the upconv head answers a one-voxel change of the input at
+    that voxel and its neighbours, not across whole patches."""
+    torch.manual_seed(0)
+    model = seg_model(2, "upconv", out_layers="last").eval()
+    x = torch.randn(1, 1, 32, 32)
+    y = x.clone()
+    y[0, 0, 3, 5] += 10.0
+    with torch.no_grad():
+        diff = (model(y) - model(x)).abs()[0, 0]
+    assert diff[3, 5] > 0
+    # Elsewhere in the same patch (beyond the skip's 7x7 field of view) only the backbone's
+    # patch-level change and the GroupNorm statistics reach.
+    assert diff[3, 5] > 2 * diff[7, 7]
+
+
+@pytest.mark.parametrize("patch_size", [6, 12])
+def test_upconv_rejects_non_power_of_two_patch(patch_size):
+    backbone = build_backbone("vit_debug", ndim=2, in_chans=1, patch_size=patch_size)
+    with pytest.raises(ValueError, match="power-of-two patch size"):
+        SegmentationModel(backbone, num_classes=2, head="upconv")
+    SegmentationModel(backbone, num_classes=2, head="linear")  # the linear head takes any
+
+
+def test_unknown_head():
+    with pytest.raises(ValueError, match="upconv"):
+        seg_model(2, "mlp")
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("head", HEADS)
+def test_meta_init(head, ndim):
+    with torch.device("meta"):
+        model = seg_model(ndim, head)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(float("nan"))
+    model.init_weights()
+    for key, value in model.state_dict().items():
+        assert torch.isfinite(value).all(), key
+    size, out_size = SIZES[ndim]
+    out = model(torch.randn(2, 1, *size), output_size=out_size)
+    assert out.shape == (2, 3, *out_size) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_freeze_backbone(head):
+    torch.manual_seed(0)
+    model = seg_model(3, head, freeze_backbone=True)
+    model.train()
+    assert not model.backbone.training and model.head.training
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+    x = torch.randn(2, 1, 16, 16, 16)
+    model(x).square().mean().backward()
+    assert all(p.grad is None for p in model.backbone.parameters())
+    assert all(p.grad is not None for p in model.head.parameters())
+    # The flag survives a meta-device build.
+    with torch.device("meta"):
+        meta = seg_model(3, head, freeze_backbone=True)
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    assert not any(p.requires_grad for p in meta.backbone.parameters())
+    assert all(p.requires_grad for p in meta.head.parameters())
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("head", HEADS)
+def test_head_training_flops_match_flop_counter(head, ndim):
+    model = seg_model(ndim, head)
+    size, _ = SIZES[ndim]
+    grid = [s // 8 for s in size]
+    features = [torch.randn(2, model.backbone.embed_dim, *grid, requires_grad=True)
+                for _ in model.out_indices]
+    image = torch.randn(2, 1, *size)
+    with FlopCounterMode(display=False) as counter:
+        model.head(features, image).sum().backward()
+    measured = counter.get_total_flops() / 2
+    assert model.head.training_flops(grid) == measured
+
+
+# ------------------------------------------------------------------------------ losses
+def loss_inputs(ndim: int, batch: int = 4, classes: int = 3, seed: int = 0):
+    """Random logits, 0/1 targets (255 where unknown) and a per-class validity mask with one
+    class not annotated in one sample and one sample with no annotation at all."""
+    g = torch.Generator().manual_seed(seed)
+    spatial = (5, 6, 7)[-ndim:]
+    shape = (batch, classes, *spatial)
+    logits = torch.randn(shape, generator=g) * 2
+    targets = (torch.rand(shape, generator=g) > 0.6).float()
+    valid = (torch.rand(shape, generator=g) > 0.3).float()
+    valid[1, 2] = 0  # class 2 not annotated in sample 1
+    valid[2] = 0  # sample 2 has no label at all
+    targets[valid == 0] = 255
+    return logits, targets, valid
+
+
+def ignored_entries(name: str, valid: torch.Tensor) -> torch.Tensor:
+    """Entries that must get no gradient: invalid ones; for ce, every class of a voxel where
+    any class is invalid."""
+    if name == "ce":
+        return (valid == 0).any(1, keepdim=True).expand_as(valid)
+    return valid == 0
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_invalid_voxels_are_ignored(name, ndim):
+    logits, targets, valid = loss_inputs(ndim)
+    loss = build_loss(name, [1.0, 2.0, 0.5])
+    x = logits.clone().requires_grad_(True)
+    total, count = loss(x, targets, valid)
+    assert torch.isfinite(total) and count > 0
+    (total / count).backward()
+    ignored = ignored_entries(name, valid)
+    assert torch.all(x.grad[ignored] == 0)
+    assert (x.grad[~ignored] != 0).float().mean() > 0.9
+    # Whatever the targets hold at ignored entries changes nothing.
+    other = targets.clone()
+    other[ignored] = torch.randint(0, 2, (int(ignored.sum()),)).float()
+    y = logits.clone().requires_grad_(True)
+    total2, count2 = loss(y, other, valid)
+    (total2 / count2).backward()
+    torch.testing.assert_close(total2, total)
+    assert count2 == count
+    torch.testing.assert_close(y.grad, x.grad)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_losses_add_up_over_batch_splits(name, ndim):
+    """(sum, count) of a batch = the sum over its parts, so a global count normalises right."""
+    logits, targets, valid = loss_inputs(ndim)
+    loss = build_loss(name, torch.tensor([1.0, 2.0, 0.5]))
+    total, count = loss(logits, targets, valid)
+    for split in ([2, 2], [1, 3], [1, 1, 1, 1]):
+        chunks = zip(logits.split(split), targets.split(split), valid.split(split))
+        parts = [loss(l, t, v) for l, t, v in chunks]
+        torch.testing.assert_close(sum(s for s, _ in parts), total)
+        assert sum(c for _, c in parts) == count
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_bce_matches_torch(ndim):
+    logits, targets, valid = loss_inputs(ndim)
+    total, count = masked_bce_loss(logits, targets, valid)
+    keep = valid == 1
+    ref = F.binary_cross_entropy_with_logits(logits[keep], targets[keep], reduction="sum")
+    torch.testing.assert_close(total, ref)
+    assert count == keep.sum()
+    # Per-crop class annotation broadcasts over space.
+    total_b, count_b = masked_bce_loss(logits, targets.clamp(max=1), torch.ones(4, 3, *[1] * ndim))
+    assert count_b == logits.numel() and torch.isfinite(total_b)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_dice(ndim):
+    logits, targets, valid = loss_inputs(ndim)
+    total, count = soft_dice_loss(logits, targets, valid)
+    # Sample 2 has no label and class 2 of sample 1 none either: 4 * 3 - 3 - 1 pairs.
+    assert count == 8
+    # Reference for one pair, straight from the formula.
+    keep = valid[0, 1] == 1
+    p, t = torch.sigmoid(logits[0, 1][keep]), targets[0, 1][keep]
+    ref = 1 - (2 * (p * t).sum() + 1) / (p.sum() + t.sum() + 1)
+    one, _ = soft_dice_loss(logits[:1, 1:2], targets[:1, 1:2], valid[:1, 1:2])
+    torch.testing.assert_close(one, ref)
+    # A perfect, confident prediction scores ~0.
+    perfect = torch.where(targets == 1, 20.0, -20.0)
+    total, count = soft_dice_loss(perfect, targets, valid)
+    assert total / count < 1e-6
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_bce_dice_is_per_sample_mean(ndim):
+    logits, targets, valid = loss_inputs(ndim)
+    total, count = build_loss("bce_dice")(logits, targets, valid)
+    assert count == 3  # sample 2 has no label
+    expected = 0.0
+    for b in (0, 1, 3):
+        sl = slice(b, b + 1)
+        bce_sum, bce_count = masked_bce_loss(logits[sl], targets[sl], valid[sl])
+        dice_sum, dice_count = soft_dice_loss(logits[sl], targets[sl], valid[sl])
+        expected = expected + bce_sum / bce_count + dice_sum / dice_count
+    torch.testing.assert_close(total, expected)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_ce_matches_torch_with_implicit_background(ndim):
+    logits, targets, valid = loss_inputs(ndim)
+    # Exclusive classes: at most one present class per voxel.
+    first = targets.clamp(max=1).cumsum(1) == 1
+    targets = torch.where(valid == 1, (targets == 1) & first, targets).float()
+    index = torch.where(targets.clamp(max=1).amax(1) > 0, targets.clamp(max=1).argmax(1) + 1, 0)
+    index[(valid == 0).any(1)] = -100
+    full = torch.cat([torch.zeros_like(logits[:, :1]), logits], 1)
+    total, count = build_loss("ce")(logits, targets, valid)
+    assert count == (index != -100).sum()
+    torch.testing.assert_close(total, F.cross_entropy(full, index, reduction="sum"))
+    # Weighted: class weights multiply the terms of their voxels; background weighs 1.
+    total_w, count_w = build_loss("ce", [2.0, 1.0, 3.0])(logits, targets, valid)
+    ref_w = F.cross_entropy(full, index, weight=torch.tensor([1.0, 2.0, 1.0, 3.0]), reduction="sum")
+    torch.testing.assert_close(total_w, ref_w)
+    assert count_w == count
+    # Probabilities: the classes of the same softmax, without the background.
+    probs = predict_probabilities(logits, "ce")
+    torch.testing.assert_close(probs, torch.softmax(full, 1)[:, 1:])
+    assert torch.all(probs.sum(1) < 1)
+
+
+@pytest.mark.parametrize("name", ["bce", "dice", "bce_dice"])
+def test_class_weights_scale_their_class(name):
+    logits, targets, valid = loss_inputs(3)
+    weights = torch.tensor([0.5, 2.0, 3.0])
+    total, count = build_loss(name, weights)(logits, targets, valid)
+    # Linear in the weights, with unweighted counts.
+    one_hot = [build_loss(name, torch.eye(3)[k])(logits, targets, valid) for k in range(3)]
+    torch.testing.assert_close(total, sum(w * s for w, (s, _) in zip(weights, one_hot)))
+    assert all(c == count for _, c in one_hot)
+    # A weight on one class reaches only that class's logits.
+    x = logits.clone().requires_grad_(True)
+    build_loss(name, [0.0, 1.0, 0.0])(x, targets, valid)[0].backward()
+    assert torch.all(x.grad[:, [0, 2]] == 0) and x.grad[:, 1].abs().sum() > 0
+    # No weights = all ones.
+    torch.testing.assert_close(build_loss(name, [])(logits, targets, valid)[0],
+                               build_loss(name, [1.0, 1.0, 1.0])(logits, targets, valid)[0])
+
+
+def test_predict_probabilities_and_names():
+    logits = torch.randn(2, 3, 4, 4)
+    for name in ("bce", "dice", "bce_dice"):
+        torch.testing.assert_close(predict_probabilities(logits, name), torch.sigmoid(logits))
+    with pytest.raises(ValueError, match="bce_dice"):
+        build_loss("focal")
+    with pytest.raises(ValueError, match="focal"):
+        predict_probabilities(logits, "focal")
+    with pytest.raises(ValueError, match="one weight per class"):
+        build_loss("bce", [1.0, 2.0])(logits, logits > 0, torch.ones_like(logits))
+
+
+# ------------------------------------------------------------------------------- task
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_task_builds_model_and_loss_from_config(loss):
+    cfg = JobConfig()
+    cfg.data.classes = ["mito", "er"]
+    m = cfg.model
+    m.backbone, m.ndim, m.patch_size, m.crop_size = "vit_debug", 2, 8, [16, 16]
+    m.head, m.head_channels, m.freeze_backbone = "upconv", 16, True
+    m.loss, m.class_weights = loss, [1.0, 2.0]
+    task = SegmentationTask(cfg)
+    model = task.build_model()
+    assert isinstance(model.head, UpConvHead) and model.freeze_backbone
+    assert model.head.proj.out_channels == 16
+    target = (torch.rand(2, 2, 16, 16) > 0.5).to(torch.uint8)
+    valid = torch.ones(2, 2, 16, 16, dtype=torch.uint8)
+    batch = {"image": torch.randn(2, 1, 16, 16), "target": target, "valid": valid}
+    total, count = task.loss_terms(model, batch)
+    expected = build_loss(loss, torch.tensor([1.0, 2.0]))(model(batch["image"]).float(), target, valid)
+    torch.testing.assert_close(total, expected[0])
+    assert count == expected[1] and count > 0
