@@ -82,6 +82,11 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.train_state = train_state  # has state_dict() / load_state_dict()
         self.pending = None  # (future, step) of an asynchronous save not yet finalised
+        # Background saves coordinate through their own (gloo) process group, so that their
+        # collectives never interleave with the training step's on the default group.
+        self.async_group = None
+        if self.enabled and self.cfg.async_mode == "async" and dist.is_initialized():
+            self.async_group = dist.new_group(backend="gloo")
         self.best_step: int | None = None
 
     # -- saving ---------------------------------------------------------------------------------
@@ -117,7 +122,8 @@ class CheckpointManager:
         else:
             state = self._state()
         if self.cfg.async_mode == "async" and not model_only:
-            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp)), step)
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            self.pending = (future, step)
             return final
         dcp.save(state, checkpoint_id=str(tmp))
         self._finalize(step)

@@ -452,6 +452,38 @@ def combine_scores(crops: list[dict]) -> dict:
     }
 
 
+def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
+    """Flat ``val/...`` scalars of a :func:`combine_scores` result, for logging.
+
+    ``val/iou/<class>`` and ``val/dice/<class>`` for every scored class,
+    ``val/instance_score/<class>``, ``val/f1/<class>`` and ``val/hausdorff_nm/<class>`` for
+    instance classes, ``val/mean_iou`` and ``val/mean_dice`` over every scored class, and the
+    challenge's overall ``val/mean_semantic_iou``, ``val/mean_instance_score`` and
+    ``val/score``.
+    """
+    out: dict[str, float] = {}
+    per_class = combined["classes"]
+    for name in classes:
+        c = per_class.get(name)
+        if c is None:
+            continue
+        out[f"val/iou/{name}"] = c["iou"]
+        out[f"val/dice/{name}"] = c["dice"]
+        if c["type"] == "instance":
+            out[f"val/instance_score/{name}"] = c["score"]
+            out[f"val/f1/{name}"] = c["f1"]
+            if c["mean_hausdorff_nm"] is not None:
+                out[f"val/hausdorff_nm/{name}"] = c["mean_hausdorff_nm"]
+    scored = [per_class[n] for n in classes if n in per_class]
+    if scored:
+        out["val/mean_iou"] = float(np.mean([c["iou"] for c in scored]))
+        out["val/mean_dice"] = float(np.mean([c["dice"] for c in scored]))
+    for key, value in combined["overall"].items():
+        if value is not None:
+            out[f"val/{key}"] = float(value)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring a submission: python -m torchtitan.evaluation
 # ---------------------------------------------------------------------------------------------

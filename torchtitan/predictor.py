@@ -39,6 +39,7 @@ from torchtitan.datasets.cellmap import (
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
 from torchtitan.inference import block_shape_for_budget, predict_blockwise
+from torchtitan.models import predict_probabilities
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def predict_regions(args) -> list[str]:
 
     def predict(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            return torch.sigmoid(model(x.to(device)).float())
+            return predict_probabilities(model(x.to(device)).float(), cfg.model.loss)
 
     root = zarr.open_group(args.out, mode="a", zarr_format=2)
     written = []

@@ -68,7 +68,7 @@ def training_flops_per_sample(model: nn.Module, input_shape: Sequence[int], mask
 
     Supports a bare ``DinoVisionTransformer`` (``forward_features``), a
     ``MaskedAutoencoder`` (``mask_ratio`` of the patches hidden) and a ``SegmentationModel``
-    (backbone up to its last used block, then the linear head).
+    (backbone up to its last used block, then its head).
     """
     if isinstance(model, MaskedAutoencoder):
         enc, dec = model.encoder, model.decoder
@@ -86,7 +86,10 @@ def training_flops_per_sample(model: nn.Module, input_shape: Sequence[int], mask
         grid = _grid(vit.ndim, vit.patch_size, input_shape)
         n = math.prod(grid)
         flops = _vit_training_flops(vit, n, n, max(model.out_indices) + 1)
-        return flops + linear_training_flops(n, model.head.conv.weight.numel())
+        frozen = model.freeze_backbone
+        if frozen:
+            flops //= 3  # forward only: a frozen backbone runs no backward
+        return flops + model.head.training_flops(grid, features_need_grad=not frozen)
     if isinstance(model, DinoVisionTransformer):
         grid = _grid(model.ndim, model.patch_size, input_shape)
         n = math.prod(grid)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,9 @@ import torch.distributed as dist
 from torchtitan.datasets.cellmap import discover
 from torchtitan.datasets.loader import build_mae_samples
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
-from torchtitan.models.mae import mae_loss_terms
+from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.common import check_backbone
+from torchtitan.visualization import frames_to_tensorboard_image, mae_frame
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,39 @@ class MAETask:
     def flops_per_sample(self, model) -> float:
         return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
 
-    def loss_terms(self, model, batch):
+    def _forward(self, model, batch):
+        """(pred, mask, (sum, count)) of one batch."""
         _, pred, mask = model(batch["image"], self.cfg.model.mask_ratio, batch["noise"],
                               batch["valid"])
-        return mae_loss_terms(batch["image"], pred.float(), mask, self.cfg.model.patch_size,
-                              batch["valid"], self.cfg.model.norm_pix_loss)
+        terms = mae_loss_terms(batch["image"], pred.float(), mask, self.cfg.model.patch_size,
+                               batch["valid"], self.cfg.model.norm_pix_loss)
+        return pred, mask, terms
+
+    def loss_terms(self, model, batch):
+        return self._forward(model, batch)[2]
+
+    def _picture(self, trainer, batch, pred, mask) -> None:
+        """Input / masked input / reconstruction of the first held-out sample, as a PNG in
+        ``visuals/`` and a TensorBoard image."""
+        m = self.cfg.model
+        image = batch["image"][:1].float().cpu()
+        target = patchify(image, m.patch_size, m.ndim)
+        recon = pred[:1].float().cpu()
+        if m.norm_pix_loss:  # predictions are per-patch normalised: undo with the true stats
+            mean = target.mean(-1, keepdim=True)
+            std = target.var(-1, keepdim=True, unbiased=True).add(1e-6).sqrt()
+            recon = recon * std + mean
+        hidden = mask[:1].cpu().bool()[..., None]
+        grid = [c // m.patch_size for c in m.crop_size]
+        masked = unpatchify(target.masked_fill(hidden, float("nan")), m.patch_size, grid, m.in_chans)
+        shown = unpatchify(torch.where(hidden, recon, target), m.patch_size, grid, m.in_chans)
+        frame = mae_frame(image[0], masked[0], shown[0], title=f"step {trainer.state.step}")
+        folder = Path(self.cfg.job.dump_folder) / "visuals"
+        folder.mkdir(parents=True, exist_ok=True)
+        frame.save(folder / f"mae_step{trainer.state.step}.png")
+        if trainer.metrics.writer is not None:
+            trainer.metrics.writer.add_image("visuals/mae", frames_to_tensorboard_image(frame),
+                                             global_step=trainer.state.step, dataformats="CHW")
 
     def validate(self, model, trainer) -> dict[str, float]:
         """Reconstruction loss on a fixed held-out set of crops, split evenly across dp ranks
@@ -74,8 +104,10 @@ class MAETask:
         for i in range(0, len(indices), bs):
             items = [data[j] for j in indices[i:i + bs]]
             batch = {k: torch.stack([it[k] for it in items]).to(trainer.device) for k in items[0]}
-            s, c = self.loss_terms(model, batch)
+            pred, mask, (s, c) = self._forward(model, batch)
             total += torch.stack([s.detach().double().cpu(), c.detach().double().cpu()])
+            if i == 0 and trainer.rank == 0:
+                self._picture(trainer, batch, pred, mask)
         if trainer.dp_mesh is not None:
             dist.all_reduce(total, group=trainer.dp_mesh.get_group())
         return {"val/reconstruction_loss": float(total[0] / total[1].clamp_min(1))}

@@ -1,23 +1,26 @@
-"""Supervised segmentation: backbone + head, masked BCE, validation on whole held-out crops."""
+"""Supervised segmentation: backbone + head, masked losses, validation on whole held-out crops."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
 from torchtitan.datasets.samples import crop_grid
-from torchtitan.evaluation import ConfusionCounts, semantic_scores
+from torchtitan.evaluation import combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume
 from torchtitan.models import (
     SegmentationModel,
     build_backbone,
     build_loss,
+    predict_probabilities,
     training_flops_per_sample,
 )
 from torchtitan.tasks.common import check_backbone, most_forwards
+from torchtitan.visualization import write_validation_visuals
 
 logger = logging.getLogger(__name__)
 
@@ -78,30 +81,50 @@ class SegmentationTask:
         return self._val_cache[crop.full_name]
 
     def validate(self, model, trainer) -> dict[str, float]:
-        cfg = self.cfg
-        counts = ConfusionCounts(len(cfg.data.classes))
+        """Predict each rank's whole validation crops (sliding window), score them the CellMap
+        way (semantic IoU/Dice pooled over crops, instance scores per crop), and write a GIF
+        of each crop's EM, ground truth and prediction to ``dump_folder/visuals``."""
+        cfg, inf = self.cfg, self.cfg.inference
+        classes = list(cfg.data.classes)
         mine = self.val_crops[trainer.dp_rank::trainer.dims.dp_degree]
         window = tuple(cfg.model.crop_size)
-        overlap, batch_size = 0.25, max(1, cfg.training.batch_size // trainer.dims.dp_degree)
         device = trainer.device
 
         def predict(x: torch.Tensor) -> torch.Tensor:
-            return torch.sigmoid(model(x.to(device)).float())
+            return predict_probabilities(model(x.to(device)).float(), cfg.model.loss)
 
-        calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, overlap,
-                                      batch_size) for c in mine)
+        # Sharded models need the same number of forwards on every rank: count them first.
+        calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, inf.overlap,
+                                      inf.batch_size) for c in mine)
         idle = most_forwards(calls, trainer) - calls
+        per_crop = []
         for crop in mine:
             vol = self._val_volume(crop)
-            prob = predict_volume(predict, vol["image"], window, len(cfg.data.classes),
-                                  overlap=overlap, batch_size=batch_size)
-            counts.update(prob > 0.5, vol["target"], vol["valid"])
-        dummy = torch.zeros((batch_size, cfg.model.in_chans, *window))
+            prob = predict_volume(predict, vol["image"], window, len(classes),
+                                  overlap=inf.overlap, blend=inf.blend, batch_size=inf.batch_size)
+            pred = (prob > inf.threshold).numpy()
+            target, valid = vol["target"].numpy(), vol["valid"].numpy()
+            annotated = [k for k, name in enumerate(classes) if name in crop.classes]
+            per_crop.append(score_crop(
+                {classes[k]: pred[k] for k in annotated}, {classes[k]: target[k] for k in annotated},
+                {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))
+            self._visualize(trainer, crop, vol, pred, classes)
+        dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
         for _ in range(idle):
             predict(dummy)
         if trainer.dp_mesh is not None:
-            dist.all_reduce(counts.counts, group=trainer.dp_mesh.get_group())
-        return semantic_scores(counts, cfg.data.classes)
+            gathered: list = [None] * trainer.dims.dp_degree
+            dist.all_gather_object(gathered, per_crop, group=trainer.dp_mesh.get_group())
+            per_crop = [c for rank_crops in gathered for c in rank_crops]
+        return validation_scores(combine_scores(per_crop), classes)
+
+    def _visualize(self, trainer, crop, vol, pred, classes) -> None:
+        step = trainer.state.step
+        writer = trainer.metrics.writer if trainer.rank == 0 else None
+        write_validation_visuals(
+            Path(self.cfg.job.dump_folder) / "visuals", crop.full_name, step,
+            vol["image"][0].numpy(), vol["target"].numpy(), pred, classes,
+            valid=vol["valid"].numpy(), writer=writer)
 
     def summary(self, scores: dict[str, float]) -> None:
         cfg = self.cfg
