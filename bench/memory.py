@@ -73,6 +73,9 @@ def worker(mode: str, backbone: str, out: str) -> None:
     dist.all_gather_object(gathered, report)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(gathered))
+    # Free DDP's reducer while the process group still exists (else exit can hang).
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ starts, identically on every rank, so a bad input makes every rank exit with the
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -291,6 +292,13 @@ class Trainer:
         if hasattr(self, "metrics"):
             self.metrics.close()
         if dist.is_initialized():
+            dist.barrier()
+            # Free everything that holds on to the process group (DDP's reducer, FSDP state,
+            # loader workers) while the group still exists: destroying those after it can
+            # hang or abort a rank at exit.
+            self.model = self.optimizer = self.lr_scheduler = self.checkpoint = None
+            self.loader = None
+            gc.collect()
             dist.destroy_process_group()
 
 
