@@ -5,6 +5,13 @@
         --roi 0:640,0:1280,0:1280 --out pred.zarr --probabilities
     torchrun --nproc_per_node 4 predict.py --checkpoint model.pth --config run/config.toml \
         --dataset jrc_hela-2 --out hela2.zarr          # blocks split across ranks
+    python predict.py --checkpoint outputs/run/checkpoint --manifest test_crops.csv \
+        --out submission.zarr --tta --planes zyx       # every crop of a manifest, no labels
+
+``--manifest`` takes a CSV with the columns crop_name, dataset, origin_z/y/x (nm, outer corner
+of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm); see torchtitan/predictor.py.
+``--tta`` averages over the flips of each window and ``--planes zyx`` makes a 2D model predict
+yx, zx and zy planes and average them; both override the run's ``[inference]`` settings.
 
 The run's ``config.toml`` (found next to the checkpoint, or given with --config) rebuilds the
 model; the output is OME-NGFF zarr that napari and neuroglancer open, in the CellMap
@@ -29,9 +36,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--crops", help="predict label crops: 'all' or names (crop3,jrc_x/crop4)")
     p.add_argument("--dataset", help="predict this dataset's EM volume (or --roi of it)")
     p.add_argument("--roi", help="region in nm: z0:z1,y0:y1,x0:x1")
+    p.add_argument("--manifest", help="CSV of crops to predict (crop_name, dataset, origin_z/y/x "
+                                      "nm, shape_z/y/x, voxel_size_z/y/x nm), e.g. test crops")
     p.add_argument("--out", required=True, help="output zarr (created or updated)")
     p.add_argument("--probabilities", action="store_true", help="write float32 probabilities")
-    p.add_argument("--threshold", type=float, default=0.5, help="mask threshold (default 0.5)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="mask threshold (default: the run's inference.threshold)")
+    p.add_argument("--tta", action=argparse.BooleanOptionalAction, default=None,
+                   help="average over the flips of each window (default: inference.tta_flips)")
+    p.add_argument("--planes", choices=("z", "zyx"), default=None,
+                   help="2D models: 'z' (yx planes) or 'zyx' (yx, zx and zy planes averaged; "
+                        "isotropic voxel size only) (default: inference.planes)")
     p.add_argument("--instances", action="store_true",
                    help="instance ids (connected components) for CellMap instance classes")
     p.add_argument("--batch_size", type=int, default=0, help="windows per forward (default: config)")

@@ -60,7 +60,19 @@ def test_tensorboard_events_hold_the_scalars(fsdp_run):
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "loss" in tags and "val/mean_iou" in tags
+    assert {"val/iou/nuc", "val/iou/mito", "val/instance_score/mito"} <= set(tags)
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+    assert any(t.startswith("visuals/") for t in acc.Tags()["images"])
+
+
+def test_validation_writes_a_gif_per_crop(fsdp_run):
+    from PIL import Image
+
+    val = [r for r in read_jsonl(fsdp_run / "logs" / "metrics.jsonl") if "val/mean_iou" in r]
+    gifs = sorted((fsdp_run / "visuals").glob("*_step4.gif"))
+    assert len(gifs) >= 1 and val
+    with Image.open(gifs[0]) as gif:
+        assert gif.is_animated and gif.n_frames > 1
 
 
 def test_ddp_gives_the_same_losses_as_fsdp(fsdp_run, demo_data, tmp_path):

@@ -156,6 +156,7 @@ class CheckpointManager:
             tmp = self.folder / ".best.json.tmp"
             tmp.write_text(json.dumps({"step": step, metric: score}) + "\n")
             os.replace(tmp, self.folder / "best.json")
+            self._purge()  # an earlier best may now go
 
     def _purge(self) -> None:
         k = self.cfg.keep_latest_k

@@ -378,6 +378,14 @@ class Inference:
     batch_size: int = opt(8, "Windows per forward pass (per rank).", min=1)
     threshold: float = opt(0.5, "Probability above which a voxel is foreground.",
                            check=(_fraction, "must be in [0, 1]"))
+    tta_flips: bool = opt(
+        False, "Test-time augmentation: average each window's probabilities over every "
+        "combination of flips of its spatial axes (2D: 4, 3D: 8 forwards' worth of work, in "
+        "one forward of a batch that many times larger).")
+    planes: str = opt(
+        "z", "2D models on 3D volumes: 'z' predicts yx planes along z; 'zyx' also predicts zx "
+        "and zy planes and averages the three (isotropic data.voxel_size only; 3D models "
+        "ignore it).", choices=("z", "zyx"))
 
 
 @dataclass

@@ -2,17 +2,53 @@
 
 A volume (C, D, H, W) is covered by windows of the model's input size with a given overlap;
 each window's output is weighted (Gaussian: centre voxels count more than borders, where a
-ViT sees less context) and the weighted sum is divided by the summed weights. 2D models run
-plane by plane along z.
+model sees less context) and the weighted sum is divided by the summed weights.
+
+One code path serves everything: :func:`sliding_window` (a volume in memory) is
+:func:`predict_blockwise` (a volume read window by window, written block by block) with a
+single block, so validation during training and ``predict.py`` give the same numbers.
+
+Options on top of the plain tiling:
+
+- **2D models** run plane by plane: a 2D window (h, w) becomes the 3D window (1, h, w), so
+  tiles of different planes share batches. With ``planes="zyx"`` a 2D model on a 3D volume
+  predicts three times, on yx planes (1, h, w), zx planes (h, 1, w) and zy planes (h, w, 1),
+  and the three probability volumes are averaged. That is only meaningful on an isotropic
+  grid (the model was trained on yx planes at the yx voxel size); 3D models ignore it.
+- **Test-time augmentation** (``tta_flips=True``) wraps ``predict``: each window is predicted
+  with every combination of flips of its spatial axes (2D: 4, 3D: 8 = the whole group of
+  axis flips, so the result is exactly flip-equivariant), each output is flipped back and the
+  probabilities are averaged. The flipped copies go through the model in one forward (the
+  batch grows by 4x or 8x), so the number of forwards, which sharded validation counts, does
+  not change; lower ``inference.batch_size`` if that batch does not fit.
+
+Speed: each window's output is accumulated in place (``addcmul_``) into one preallocated
+buffer. Blending weights are separable (a product of one 1D profile per axis) and windows lie
+on a product grid, so the summed weight at a voxel is a product of 1D sums, computed once per
+axis instead of window by window. Plane windows (one voxel thick) are visited with the thin
+axis fastest, so a batch holds runs of neighbouring planes: each run is read as one slab and
+accumulated with one operation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from itertools import product
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import combinations, product
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
+Predict = Callable[[torch.Tensor], torch.Tensor]
+PLANES = ("z", "zyx")
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid of windows
+# ---------------------------------------------------------------------------------------------
 
 
 def window_starts(size: int, window: int, overlap: float) -> list[int]:
@@ -25,87 +61,325 @@ def window_starts(size: int, window: int, overlap: float) -> list[int]:
     return [int(round(i * (size - window) / (n - 1))) for i in range(n)]
 
 
-def blending_weights(window: tuple[int, ...], mode: str, sigma_scale: float = 0.125) -> torch.Tensor:
-    """Per-voxel weights of one window: ``constant`` or ``gaussian`` (sigma = window/8)."""
+def grid_starts(size: int, window: int, overlap: float) -> list[int]:
+    """:func:`window_starts`, except that an axis shorter than the window gets one window
+    centred on it (a negative start; what lies outside is zero-padded or read as context)."""
+    if size < window:
+        return [-((window - size) // 2)]
+    return window_starts(size, window, overlap)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blending weights
+# ---------------------------------------------------------------------------------------------
+
+
+def blending_profile(n: int, mode: str, sigma_scale: float = 0.125) -> torch.Tensor:
+    """The 1D weight profile of a window of ``n`` voxels along one axis (maximum 1).
+
+    ``gaussian``: sigma = ``sigma_scale`` * n (n/8 by default, as MONAI's default). No floor is
+    needed: at the window's edge the weight is exp(-8) ~ 3e-4 per axis, far above float32's
+    underflow, so every voxel of a window keeps a positive weight.
+    """
     if mode == "constant":
-        return torch.ones(window)
+        return torch.ones(n)
     if mode != "gaussian":
         raise ValueError(f"blending mode {mode!r}: use 'gaussian' or 'constant'")
+    x = torch.arange(n, dtype=torch.float32) - (n - 1) / 2
+    g = torch.exp(-0.5 * (x / max(n * sigma_scale, 1e-3)) ** 2)
+    return g / g.max()
+
+
+def blending_weights(window: tuple[int, ...], mode: str, sigma_scale: float = 0.125) -> torch.Tensor:
+    """Per-voxel weights of one window: the outer product of the per-axis profiles."""
     w = torch.ones(())
     for n in window:
-        x = torch.arange(n, dtype=torch.float32) - (n - 1) / 2
-        g = torch.exp(-0.5 * (x / max(n * sigma_scale, 1e-3)) ** 2)
-        w = w[..., None] * g
-    return (w / w.max()).clamp_min(1e-3)
+        w = w[..., None] * blending_profile(n, mode, sigma_scale)
+    return w.contiguous()
+
+
+def blending_norm(size: int, window: int, starts: Sequence[int], profile: torch.Tensor) -> torch.Tensor:
+    """Summed weight of every window along one axis at each position of ``[0, size)``."""
+    norm = torch.zeros(size)
+    for s in starts:
+        lo, hi = max(s, 0), min(s + window, size)
+        norm[lo:hi] += profile[lo - s:hi - s]
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers of the predict callable: test-time flips, 2D models on 3D windows
+# ---------------------------------------------------------------------------------------------
+
+
+def flip_combinations(ndim: int) -> list[tuple[int, ...]]:
+    """Every subset of the spatial dims of a (B, C, *spatial) batch, the identity first."""
+    axes = range(2, 2 + ndim)
+    return [dims for r in range(ndim + 1) for dims in combinations(axes, r)]
+
+
+def with_flips(predict: Predict, ndim: int) -> Predict:
+    """``predict`` averaged over all 2**ndim flips of the window's spatial axes.
+
+    The flipped copies are concatenated into one batch (one forward), each output is flipped
+    back, and the probabilities are averaged.
+    """
+    flips = flip_combinations(ndim)
+
+    def predict_flipped(batch: torch.Tensor) -> torch.Tensor:
+        n = batch.shape[0]
+        out = predict(torch.cat([batch.flip(dims) if dims else batch for dims in flips]))
+        total = None
+        for dims, part in zip(flips, out.split(n)):
+            part = part.flip(dims) if dims else part
+            total = part.float().clone() if total is None else total.add_(part)
+        return total.div_(len(flips))
+
+    return predict_flipped
+
+
+def on_planes(predict2d: Predict, axis: int) -> Predict:
+    """A 2D ``predict`` as a 3D one on windows one voxel thick along ``axis`` (0=z, 1=y, 2=x):
+    (B, C, 1, h, w) -> (B, K, 1, h, w), and likewise (h, 1, w) and (h, w, 1)."""
+
+    def predict3d(batch: torch.Tensor) -> torch.Tensor:
+        return predict2d(batch.select(2 + axis, 0)).unsqueeze(2 + axis)
+
+    return predict3d
+
+
+def plane_windows(window: tuple[int, int], planes: str) -> list[tuple[tuple[int, int, int], int]]:
+    """The 3D windows (and their thin axis) of a 2D model: yx planes, then zx and zy ones."""
+    h, w = window
+    out = [((1, h, w), 0)]
+    if planes == "zyx":
+        out += [((h, 1, w), 1), ((h, w, 1), 2)]
+    return out
+
+
+_warned: set[str] = set()
+
+
+def resolve_planes(planes: str, ndim: int, voxel_size: Sequence[float] | None = None) -> str:
+    """Check ``planes`` against the model and grid; 3D models ignore "zyx" (logged once)."""
+    if planes not in PLANES:
+        raise ValueError(f"inference.planes {planes!r}: use one of {', '.join(PLANES)}")
+    if planes == "zyx" and ndim == 3:
+        if "3d" not in _warned:
+            _warned.add("3d")
+            logger.warning("inference.planes='zyx' is for 2D models; a 3D model predicts whole "
+                           "3D windows, so it is ignored")
+        return "z"
+    if planes == "zyx" and voxel_size is not None:
+        v = [float(s) for s in voxel_size]
+        if max(v) - min(v) > 1e-6 * max(v):
+            raise ValueError(
+                f"inference.planes='zyx' needs an isotropic grid, but data.voxel_size is {v}: a 2D "
+                "model trained on yx planes would see zx and zy planes at another resolution. "
+                "Use inference.planes='z' or train on an isotropic voxel size.")
+    return planes
+
+
+@dataclass
+class _Tiling:
+    """One tiling of the volume: a 3D window, the callable that predicts it, its grid."""
+
+    window: tuple[int, int, int]
+    predict: Predict
+    starts: list[list[int]]  # per axis, in volume coordinates
+    weight: torch.Tensor  # (*window)
+    norm: list[torch.Tensor]  # per axis: summed weights over the whole volume
+
+
+def _tilings(predict: Predict, window: Sequence[int], shape: Sequence[int], overlap: float,
+            blend: str, tta_flips: bool, planes: str, voxel_size) -> list[_Tiling]:
+    """The tilings a prediction runs: one for a 3D model or plain 2D planes, three for "zyx"."""
+    window = tuple(int(w) for w in window)
+    if len(window) not in (2, 3):
+        raise ValueError(f"window {window}: expected 2 (h, w) or 3 (d, h, w) sizes")
+    planes = resolve_planes(planes, len(window), voxel_size)
+    if tta_flips:
+        predict = with_flips(predict, len(window))
+    if len(window) == 3:
+        tilings = [(window, predict)]
+    else:
+        tilings = [(w3, on_planes(predict, axis)) for w3, axis in plane_windows(window, planes)]
+    out = []
+    for w3, p3 in tilings:
+        profiles = [blending_profile(w, blend) for w in w3]
+        starts = [grid_starts(s, w, overlap) for s, w in zip(shape, w3)]
+        weight = blending_weights(w3, blend)
+        norm = [blending_norm(s, w, st, pr) for s, w, st, pr in zip(shape, w3, starts, profiles)]
+        out.append(_Tiling(w3, p3, starts, weight, norm))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The core: one output block from the windows that overlap it
+# ---------------------------------------------------------------------------------------------
+
+
+def _runs(chunk: list[tuple[int, ...]], thin: int | None) -> list[list[tuple[int, ...]]]:
+    """Split a batch of window starts into runs of neighbouring planes: windows one voxel
+    thick along axis ``thin`` whose starts differ only there, by one each. A run is read as
+    one slab and accumulated with one operation (3D windows: every run has one window)."""
+    runs: list[list[tuple[int, ...]]] = []
+    for st in chunk:
+        if thin is not None and runs:
+            prev = runs[-1][-1]
+            if st[thin] == prev[thin] + 1 and all(
+                    a == b for k, (a, b) in enumerate(zip(prev, st)) if k != thin):
+                runs[-1].append(st)
+                continue
+        runs.append([st])
+    return runs
+
+
+def _predict_block(tiling: _Tiling, read_input, lo: tuple[int, ...], hi: tuple[int, ...],
+                   num_outputs: int, batch_size: int) -> torch.Tensor:
+    """Blended prediction (num_outputs, *block) of the block ``[lo, hi)`` for one tiling."""
+    window = tiling.window
+    weight = tiling.weight
+    block = tuple(h - l for l, h in zip(lo, hi))
+    out = torch.zeros((num_outputs, *block))
+    # Windows of the global grid that overlap the block. Plane windows (one voxel thick)
+    # are visited with the thin axis fastest, so that a batch holds runs of neighbouring
+    # planes. Either way the windows that cover one voxel come in grid order, the same for
+    # every block, so a voxel's sum does not depend on how the volume is cut into blocks.
+    mine = [[s for s in st if s < h and s + w > l]
+            for st, l, h, w in zip(tiling.starts, lo, hi, window)]
+    thin = window.index(1) if 1 in window else None
+    order = [a for a in range(3) if a != thin] + ([thin] if thin is not None else [])
+    todo = [tuple(st[order.index(a)] for a in range(3))
+            for st in product(*[mine[a] for a in order])]
+    for i in range(0, len(todo), batch_size):
+        runs = _runs(todo[i:i + batch_size], thin)
+        windows = []
+        for run in runs:
+            first, n = run[0], len(run)
+            # One read per run: the slab of its n planes, then one window per plane.
+            stop = [s + w for s, w in zip(first, window)]
+            if thin is not None:
+                stop[thin] += n - 1
+            slab = read_input(first, tuple(stop))
+            windows += [slab] if thin is None else list(slab.split(1, dim=1 + thin))
+        batch = torch.stack(windows)
+        del windows
+        pred = tiling.predict(batch)
+        if pred.device.type != "cpu" or pred.dtype != torch.float32:
+            pred = pred.float().cpu()
+        k = 0
+        for run in runs:
+            first, n = run[0], len(run)
+            p = pred[k:k + n]
+            k += n
+            # Intersection of the windows with the block, in window and block coordinates.
+            src = tuple(slice(max(l - s, 0), min(h - s, w)) for s, l, h, w in zip(first, lo, hi, window))
+            dst = [slice(s + a.start - l, s + a.stop - l) for s, l, a in zip(first, lo, src)]
+            values = p[(slice(None), slice(None), *src)]
+            if thin is None:
+                values = values[0]  # (K, *window)
+            else:  # (n, K, ...1...) -> (K, ...n...): the run's planes side by side
+                values = values.squeeze(2 + thin).movedim(0, 1 + thin)
+                dst[thin] = slice(dst[thin].start, dst[thin].start + n)
+            # out += values * weight, in place: no temporary of the window's size.
+            out[(slice(None), *dst)].addcmul_(values, weight[src])
+        # Free this batch before the next forward, so the allocator can reuse its memory.
+        del batch, pred, p, values
+    # Divide by the summed weights: the outer product of the per-axis sums.
+    nz, ny, nx = (n[l:h] for n, l, h in zip(tiling.norm, lo, hi))
+    out.mul_((nz[:, None, None] * ny[None, :, None] * nx[None, None, :]).reciprocal_())
+    return out
+
+
+def _predict_block_all(tilings: list[_Tiling], read_input, lo, hi, num_outputs: int,
+                       batch_size: int) -> torch.Tensor:
+    """The block predicted by every tiling, averaged (one tiling: just its prediction)."""
+    out = _predict_block(tilings[0], read_input, lo, hi, num_outputs, batch_size)
+    for tiling in tilings[1:]:
+        out.add_(_predict_block(tiling, read_input, lo, hi, num_outputs, batch_size))
+    if len(tilings) > 1:
+        out.div_(len(tilings))
+    return out
+
+
+def _memory_reader(image: torch.Tensor):
+    """``read_input`` of a (C, *spatial) tensor: zeros outside it."""
+    spatial = tuple(image.shape[1:])
+
+    def read(lo, hi):
+        if all(l >= 0 and h <= s for l, h, s in zip(lo, hi, spatial)):
+            return image[(slice(None), *[slice(l, h) for l, h in zip(lo, hi)])]
+        out = image.new_zeros((image.shape[0], *[h - l for l, h in zip(lo, hi)]))
+        src = tuple(slice(max(l, 0), min(h, s)) for l, h, s in zip(lo, hi, spatial))
+        dst = tuple(slice(a.start - l, a.stop - l) for a, l in zip(src, lo))
+        out[(slice(None), *dst)] = image[(slice(None), *src)]
+        return out
+
+    return read
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def sliding_window(predict: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor,
-                   window: tuple[int, ...], num_outputs: int, overlap: float = 0.25,
-                   blend: str = "gaussian", batch_size: int = 4) -> torch.Tensor:
+def sliding_window(predict: Predict, image: torch.Tensor, window: tuple[int, ...],
+                   num_outputs: int, overlap: float = 0.25, blend: str = "gaussian",
+                   batch_size: int = 4, tta_flips: bool = False) -> torch.Tensor:
     """Predict ``image`` (C, *spatial) in windows; returns (num_outputs, *spatial) on the CPU.
 
-    ``predict`` maps a batch (B, C, *window) to (B, num_outputs, *window). Inputs smaller than
-    the window are zero-padded (and the padding cropped away again).
+    ``predict`` maps a batch (B, C, *window) to (B, num_outputs, *window) probabilities.
+    Axes shorter than the window get one centred window; the part outside is zero-padded.
     """
+    window = tuple(int(w) for w in window)
     spatial = tuple(image.shape[1:])
-    nd = len(window)
-    assert len(spatial) == nd, f"image has {len(spatial)} spatial dims, window {nd}"
-    pad = [max(0, w - s) for w, s in zip(window, spatial)]
-    if any(pad):
-        pads = []
-        for p in reversed(pad):
-            pads += [p // 2, p - p // 2]
-        image = torch.nn.functional.pad(image, pads)
-    padded = tuple(image.shape[1:])
-    out = torch.zeros((num_outputs, *padded))
-    norm = torch.zeros(padded)
-    weight = blending_weights(window, blend)
-    starts = list(product(*[window_starts(s, w, overlap) for s, w in zip(padded, window)]))
-    for i in range(0, len(starts), batch_size):
-        chunk = starts[i:i + batch_size]
-        slices = [tuple(slice(s, s + w) for s, w in zip(st, window)) for st in chunk]
-        batch = torch.stack([image[(slice(None), *sl)] for sl in slices])
-        pred = predict(batch).float().cpu()
-        for sl, p in zip(slices, pred):
-            out[(slice(None), *sl)] += p * weight
-            norm[sl] += weight
-    out /= norm.clamp_min(1e-8)
-    crop = tuple(slice(p // 2, p // 2 + s) for p, s in zip(pad, spatial))
-    return out[(slice(None), *crop)]
-
-
-def predict_volume(predict: Callable[[torch.Tensor], torch.Tensor], volume: torch.Tensor,
-                   window: tuple[int, ...], num_outputs: int, overlap: float = 0.25,
-                   blend: str = "gaussian", batch_size: int = 8) -> torch.Tensor:
-    """Predict a (C, D, H, W) volume with a 3D model, or plane by plane with a 2D one.
-
-    A 2D window (h, w) is run as a 3D window (1, h, w), so tiles of different planes share
-    batches.
-    """
-    window = tuple(window)
-    if len(window) == 3:
-        return sliding_window(predict, volume, window, num_outputs, overlap, blend, batch_size)
-
-    def predict_planes(batch: torch.Tensor) -> torch.Tensor:
-        return predict(batch[:, :, 0]).unsqueeze(2)
-
-    return sliding_window(predict_planes, volume, (1, *window), num_outputs, overlap, blend,
+    assert len(spatial) == len(window), f"image has {len(spatial)} spatial dims, window {len(window)}"
+    if len(window) == 2:  # a 2D image: one plane of a 3D volume
+        predict2d = with_flips(predict, 2) if tta_flips else predict
+        return sliding_window(on_planes(predict2d, 0), image[:, None], (1, *window), num_outputs,
+                              overlap, blend, batch_size)[:, 0]
+    tilings = _tilings(predict, window, spatial, overlap, blend, tta_flips, "z", None)
+    return _predict_block(tilings[0], _memory_reader(image), (0, 0, 0), spatial, num_outputs,
                           batch_size)
 
 
+@torch.no_grad()
+def predict_volume(predict: Predict, volume: torch.Tensor, window: tuple[int, ...],
+                   num_outputs: int, overlap: float = 0.25, blend: str = "gaussian",
+                   batch_size: int = 8, tta_flips: bool = False, planes: str = "z",
+                   voxel_size: Sequence[float] | None = None) -> torch.Tensor:
+    """Predict a (C, D, H, W) volume with a 3D model, or plane by plane with a 2D one.
+
+    ``tta_flips``: average over the flips of each window (see the module docstring).
+    ``planes``: "z" (yx planes along z) or "zyx" (2D models: also zx and zy planes, averaged;
+    ``voxel_size``, when given, must be isotropic). Returns (num_outputs, D, H, W) on the CPU.
+    """
+    spatial = tuple(volume.shape[1:])
+    tilings = _tilings(predict, window, spatial, overlap, blend, tta_flips, planes, voxel_size)
+    return _predict_block_all(tilings, _memory_reader(volume), (0, 0, 0), spatial, num_outputs,
+                              batch_size)
+
+
 def num_predict_calls(spatial: tuple[int, ...], window: tuple[int, ...], overlap: float,
-                      batch_size: int) -> int:
+                      batch_size: int, planes: str = "z") -> int:
     """How many times :func:`predict_volume` calls ``predict`` for a (D, H, W) volume.
 
     Sharded models (FSDP) run collectives inside every forward, so ranks that predict
-    different amounts must pad with idle forwards up to the largest count.
+    different amounts must pad with idle forwards up to the largest count. Test-time flips do
+    not change the count (they share each forward).
     """
-    window = tuple(window) if len(window) == 3 else (1, *window)
-    n = 1
-    for s, w in zip(spatial, window):
-        n *= len(window_starts(max(s, w), w, overlap))
-    return -(-n // batch_size)
+    window = tuple(window)
+    if len(window) == 3:
+        tilings = [window]
+    else:
+        tilings = [w3 for w3, _ in plane_windows(window, "zyx" if planes == "zyx" else "z")]
+    calls = 0
+    for w3 in tilings:
+        n = int(np.prod([len(grid_starts(s, w, overlap)) for s, w in zip(spatial, w3)]))
+        calls += -(-n // batch_size)
+    return calls
 
 
 def _block_starts(size: int, block: int) -> list[tuple[int, int]]:
@@ -127,55 +401,36 @@ def block_shape_for_budget(shape: tuple[int, int, int], window: tuple[int, int, 
 
 
 @torch.no_grad()
-def predict_blockwise(predict: Callable[[torch.Tensor], torch.Tensor],
+def predict_blockwise(predict: Predict,
                       read_input: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor],
                       write_block: Callable[[tuple[int, ...], tuple[int, ...], torch.Tensor], None],
                       shape: tuple[int, int, int], window: tuple[int, ...], num_outputs: int,
                       overlap: float = 0.25, blend: str = "gaussian", batch_size: int = 8,
                       block_shape: tuple[int, int, int] | None = None,
-                      rank: int = 0, world_size: int = 1, progress=None) -> int:
+                      rank: int = 0, world_size: int = 1, progress=None,
+                      tta_flips: bool = False, planes: str = "z",
+                      voxel_size: Sequence[float] | None = None) -> int:
     """Predict a (D, H, W) volume that need not fit in memory, one output block at a time.
 
-    Windows lie on one global grid (the grid :func:`sliding_window` uses for the whole
+    Windows lie on one global grid (the grid :func:`predict_volume` uses for the whole
     volume), so the blended result does not depend on the block size: each block gathers the
     windows that overlap it, reads their input on demand with ``read_input(lo, hi)`` (a
-    (C, *window) tensor; the region may extend past the volume, to be padded by the reader),
-    and hands the finished block to ``write_block(lo, hi, values)``. Blocks are dealt out
-    round-robin to ``world_size`` ranks. Returns the number of blocks this rank wrote.
+    (C, *window) tensor; the region may extend past the volume, to be padded or filled with
+    context by the reader), and hands the finished block to ``write_block(lo, hi, values)``.
+    With ``planes="zyx"`` each block is predicted by the three tilings in turn and averaged.
+    Blocks are dealt out round-robin to ``world_size`` ranks. Returns the number of blocks
+    this rank wrote.
     """
-    window3 = tuple(window) if len(window) == 3 else (1, *window)
-    is_2d = len(window) == 2
-    weight = blending_weights(window3, blend)
-    starts = [window_starts(max(s, w), w, overlap) for s, w in zip(shape, window3)]
-    blocks = list(product(*[_block_starts(s, b) for s, b in
-                            zip(shape, block_shape or shape)]))
+    shape = tuple(int(s) for s in shape)
+    tilings = _tilings(predict, window, shape, overlap, blend, tta_flips, planes, voxel_size)
+    blocks = list(product(*[_block_starts(s, b) for s, b in zip(shape, block_shape or shape)]))
     done = 0
     for index, block in enumerate(blocks):
         if index % world_size != rank:
             continue
         lo = tuple(b[0] for b in block)
         hi = tuple(b[1] for b in block)
-        out = torch.zeros((num_outputs, *[h - l for l, h in zip(lo, hi)]))
-        norm = torch.zeros(out.shape[1:])
-        mine = [[s for s in st if s < h and s + w > l]
-                for st, l, h, w in zip(starts, lo, hi, window3)]
-        todo = list(product(*mine))
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i:i + batch_size]
-            batch = torch.stack([read_input(st, tuple(s + w for s, w in zip(st, window3)))
-                                 for st in chunk])
-            pred = predict(batch[:, :, 0]).unsqueeze(2) if is_2d else predict(batch)
-            pred = pred.float().cpu()
-            for st, p in zip(chunk, pred):
-                # Intersection of the window with the block, in both frames.
-                src = tuple(slice(max(l - s, 0), min(h - s, w))
-                            for s, l, h, w in zip(st, lo, hi, window3))
-                dst = tuple(slice(max(s - l, 0), max(s - l, 0) + (sl.stop - sl.start))
-                            for s, l, sl in zip(st, lo, src))
-                out[(slice(None), *dst)] += p[(slice(None), *src)] * weight[src]
-                norm[dst] += weight[src]
-        out /= norm.clamp_min(1e-8)
-        write_block(lo, hi, out)
+        write_block(lo, hi, _predict_block_all(tilings, read_input, lo, hi, num_outputs, batch_size))
         done += 1
         if progress is not None:
             progress(1)

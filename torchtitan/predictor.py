@@ -11,14 +11,29 @@ Output (OME-NGFF 0.4, zarr format 2), one group per predicted region and class::
     PRED.zarr/<region>/<class>/s0      uint8 masks (0/1), float32 probabilities, or
                                        uint32 instance ids (instance classes, --instances)
 
-where ``<region>`` is ``crop<N>`` for label crops (the CellMap submission layout) or the
-dataset name for a whole volume / ROI. Each class group has ``multiscales`` (scale = the
-model's voxel size, translation = centre of voxel 0, nm) and the plain ``voxel_size`` and
-``translation`` attributes of the submission format.
+where ``<region>`` is ``crop<N>`` for label crops and for the rows of a crop manifest (the
+CellMap submission layout) or the dataset name for a whole volume / ROI. Each class group has
+``multiscales`` (scale = the model's voxel size, translation = centre of voxel 0, nm) and the
+plain ``voxel_size`` and ``translation`` attributes of the submission format.
+
+Crop manifest (``--manifest FILE``): the boxes to predict where no labels exist (e.g. the
+challenge's test crops). A CSV file with a header line and these columns (any order; other
+columns are ignored)::
+
+    crop_name,dataset,origin_z,origin_y,origin_x,shape_z,shape_y,shape_x,voxel_size_z,voxel_size_y,voxel_size_x
+    crop123,jrc_hela-2,1000.0,2000.0,3000.0,100,200,200,4.0,4.0,4.0
+
+``crop_name`` is ``crop<N>`` or ``<N>``; ``dataset`` names an EM dataset under the data
+root; ``origin_*`` is the world position (nm) of the outer corner of the crop's voxel 0 (not
+its centre), ``shape_*`` its size in voxels and ``voxel_size_*`` its voxel size (nm), so
+the crop spans ``[origin, origin + shape * voxel_size)``. Each row is predicted as region
+``crop<N>`` on the model's grid (``data.voxel_size``): the smallest whole number of voxels
+covering the box, centred on it. Rows repeating a crop with the same box are merged.
 """
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 from dataclasses import dataclass
@@ -38,7 +53,7 @@ from torchtitan.datasets.cellmap import (
     read_linear,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
-from torchtitan.inference import block_shape_for_budget, predict_blockwise
+from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
 from torchtitan.models import predict_probabilities
 
 logger = logging.getLogger(__name__)
@@ -144,6 +159,80 @@ def regions(sources: list[EMSource], voxel_size, dataset: str | None, roi: str |
     return [Region(dataset, source, lo, shape)]  # type: ignore[arg-type]
 
 
+MANIFEST_COLUMNS = ("crop_name", "dataset", "origin_z", "origin_y", "origin_x", "shape_z",
+                    "shape_y", "shape_x", "voxel_size_z", "voxel_size_y", "voxel_size_x")
+
+
+@dataclass
+class ManifestCrop:
+    """One row of a crop manifest: a box in world coordinates (nm)."""
+
+    name: str  # crop<N>
+    dataset: str
+    box_min: np.ndarray  # outer corner of voxel 0
+    box_max: np.ndarray
+
+
+def read_manifest(path: str) -> list[ManifestCrop]:
+    """The crops of a manifest CSV (format: module docstring), duplicates merged."""
+    if not Path(path).is_file():
+        raise ConfigError(f"--manifest {path!r} does not exist")
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in MANIFEST_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"--manifest {path}: missing columns {missing}; expected "
+                              + ",".join(MANIFEST_COLUMNS))
+        crops: dict[str, ManifestCrop] = {}
+        for line, row in enumerate(reader, start=2):
+            try:
+                number = row["crop_name"].strip().removeprefix("crop")
+                if not number.isdigit():
+                    raise ValueError(f"crop_name {row['crop_name']!r} is not crop<N> or <N>")
+                origin = np.array([float(row[f"origin_{a}"]) for a in "zyx"])
+                shape = np.array([int(row[f"shape_{a}"]) for a in "zyx"])
+                voxel = np.array([float(row[f"voxel_size_{a}"]) for a in "zyx"])
+                if np.any(shape < 1) or np.any(voxel <= 0):
+                    raise ValueError("shape must be >= 1 and voxel_size > 0")
+                dataset = row["dataset"].strip()
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ConfigError(f"--manifest {path}, line {line}: {e}") from None
+            crop = ManifestCrop(f"crop{int(number)}", dataset, origin, origin + shape * voxel)
+            seen = crops.get(crop.name)
+            if seen is None:
+                crops[crop.name] = crop
+            elif (seen.dataset != crop.dataset or not np.allclose(seen.box_min, crop.box_min, atol=1e-3)
+                  or not np.allclose(seen.box_max, crop.box_max, atol=1e-3)):
+                raise ConfigError(f"--manifest {path}, line {line}: {crop.name} appears again "
+                                  "with another dataset or box")
+    if not crops:
+        raise ConfigError(f"--manifest {path} lists no crop")
+    return list(crops.values())
+
+
+def covering_grid(box_min, box_max, voxel_size) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Origin (nm, outer corner of voxel 0) and shape of the smallest grid of ``voxel_size``
+    that covers the box, centred on it."""
+    v = np.asarray(voxel_size, dtype=float)
+    extent = np.asarray(box_max, dtype=float) - np.asarray(box_min, dtype=float)
+    shape = tuple(int(max(1, np.ceil(e / s - 1e-6))) for e, s in zip(extent, v))
+    origin = np.asarray(box_min, dtype=float) + (extent - np.asarray(shape) * v) / 2
+    return origin, shape  # type: ignore[return-value]
+
+
+def manifest_regions(sources: list[EMSource], voxel_size, path: str) -> list[Region]:
+    """One region ``crop<N>`` per crop of the manifest, on the model's grid."""
+    by_name = {s.name: s for s in sources}
+    out = []
+    for crop in read_manifest(path):
+        if crop.dataset not in by_name:
+            raise DatasetError(f"--manifest: {crop.name} is in dataset {crop.dataset!r}, which is "
+                               f"not under the data root; available: {', '.join(by_name)}")
+        origin, shape = covering_grid(crop.box_min, crop.box_max, voxel_size)
+        out.append(Region(crop.name, by_name[crop.dataset], origin, shape))
+    return out
+
+
 def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
     """Create ``<region>/<class>`` with OME-NGFF metadata and an empty ``s0``."""
     group = root.require_group(f"{region.name}/{cls}")
@@ -163,6 +252,21 @@ def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
                               fill_value=0, overwrite=True)
 
 
+def inference_options(cfg, args) -> tuple[bool, str, float]:
+    """(tta_flips, planes, threshold): the run's ``[inference]`` settings, overridden by
+    ``--tta/--no-tta``, ``--planes`` and ``--threshold``; checked against the model and grid
+    before any model is built."""
+    inf = cfg.inference
+    tta = inf.tta_flips if args.tta is None else bool(args.tta)
+    threshold = inf.threshold if args.threshold is None else float(args.threshold)
+    try:
+        planes = resolve_planes(args.planes or inf.planes, len(cfg.model.crop_size),
+                                cfg.data.voxel_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return tta, planes, threshold
+
+
 def predict_regions(args) -> list[str]:
     """Run the whole prediction described by the parsed ``predict.py`` arguments."""
     import zarr
@@ -175,8 +279,16 @@ def predict_regions(args) -> list[str]:
 
     task = SegmentationTask(cfg)
     classes = list(cfg.data.classes)
-    todo = regions(discover(cfg.data.dataset_path), cfg.data.voxel_size, args.dataset, args.roi,
-                   args.crops)
+    inf = cfg.inference
+    tta, planes, threshold = inference_options(cfg, args)
+    sources = discover(cfg.data.dataset_path)
+    if args.manifest:
+        if args.crops or args.dataset or args.roi:
+            raise ConfigError("--manifest predicts the crops it lists; leave out --crops, "
+                              "--dataset and --roi")
+        todo = manifest_regions(sources, cfg.data.voxel_size, args.manifest)
+    else:
+        todo = regions(sources, cfg.data.voxel_size, args.dataset, args.roi, args.crops)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
@@ -187,7 +299,14 @@ def predict_regions(args) -> list[str]:
     use_bf16 = device.type == "cuda"
     v = np.asarray(cfg.data.voxel_size, dtype=float)
     window = tuple(cfg.model.crop_size)
-    window3 = window if len(window) == 3 else (1, *window)
+    # The extent of the windows along each axis, over every tiling: blocks are multiples of
+    # it, so that few windows straddle two blocks (and are predicted twice).
+    if len(window) == 3:
+        window3 = window
+    elif planes == "zyx":  # (1, h, w), (h, 1, w) and (h, w, 1) windows
+        window3 = (window[0], max(window), window[1])
+    else:
+        window3 = (1, *window)
 
     def predict(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -195,15 +314,18 @@ def predict_regions(args) -> list[str]:
 
     root = zarr.open_group(args.out, mode="a", zarr_format=2)
     written = []
+    # Buffers per voxel of a block: the outputs, plus their running sum with three tilings.
+    buffers = len(classes) * (2 if planes == "zyx" else 1)
     for region in todo:
-        block = block_shape_for_budget(region.shape, window3, len(classes),
-                                       args.max_block_mb * 2**20)
+        block = block_shape_for_budget(region.shape, window3, buffers, args.max_block_mb * 2**20)
         level = region.source.levels[closest_level(region.source.levels, v)]
 
         def read_input(lo, hi, region=region, level=level):
             origin = region.origin + np.asarray(lo) * v
-            img, _ = read_linear(level, origin, v, tuple(h - l for l, h in zip(lo, hi)))
-            return torch.from_numpy(normalize_em(img))[None]
+            img, inside = read_linear(level, origin, v, tuple(h - l for l, h in zip(lo, hi)))
+            img = normalize_em(img)
+            img[~inside] = 0.0  # outside the EM volume: zero, as sliding_window pads
+            return torch.from_numpy(img)[None]
 
         dtype = "float32" if args.probabilities else "uint8"
         arrays = {}
@@ -220,7 +342,7 @@ def predict_regions(args) -> list[str]:
             box = tuple(slice(l, h) for l, h in zip(lo, hi))
             for k, cls in enumerate(classes):
                 p = probs[k].numpy()
-                arrays[cls][box] = p if args.probabilities else (p > args.threshold).astype(np.uint8)
+                arrays[cls][box] = p if args.probabilities else (p > threshold).astype(np.uint8)
 
         bar = None
         if rank == 0 and args.progress:
@@ -229,10 +351,11 @@ def predict_regions(args) -> list[str]:
             n = int(np.prod([-(-s // b) for s, b in zip(region.shape, block)]))
             bar = tqdm(total=-(-n // world), desc=f"{region.name}", unit="block")
         predict_blockwise(predict, read_input, write_block, region.shape, window, len(classes),
-                          overlap=cfg.inference.overlap, blend=cfg.inference.blend,
-                          batch_size=args.batch_size or cfg.inference.batch_size,
+                          overlap=inf.overlap, blend=inf.blend,
+                          batch_size=args.batch_size or inf.batch_size,
                           block_shape=block, rank=rank, world_size=world,
-                          progress=bar.update if bar else None)
+                          progress=bar.update if bar else None, tta_flips=tta, planes=planes,
+                          voxel_size=v)
         if bar is not None:
             bar.close()
         if world > 1:

@@ -257,7 +257,8 @@ class Trainer:
                 model_only = last and cfg.checkpoint.last_save_model_only
                 self.checkpoint.save(step, model_only=model_only)
                 if improved:
-                    self.checkpoint.mark_best(step, self.best_score, self.task.best_metric)
+                    metric = self.task.best_metric
+                    self.checkpoint.mark_best(step, scores[metric], metric)
         if bar is not None:
             bar.close()
         if start >= total and not scores:

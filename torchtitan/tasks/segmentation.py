@@ -101,7 +101,9 @@ class SegmentationTask:
         for crop in mine:
             vol = self._val_volume(crop)
             prob = predict_volume(predict, vol["image"], window, len(classes),
-                                  overlap=inf.overlap, blend=inf.blend, batch_size=inf.batch_size)
+                                  overlap=inf.overlap, blend=inf.blend, batch_size=inf.batch_size,
+                                  tta_flips=inf.tta_flips, planes=inf.planes,
+                                  voxel_size=cfg.data.voxel_size)
             pred = (prob > inf.threshold).numpy()
             target, valid = vol["target"].numpy(), vol["valid"].numpy()
             annotated = [k for k, name in enumerate(classes) if name in crop.classes]
