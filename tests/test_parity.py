@@ -37,6 +37,8 @@ CASES = {
     "ddp2_ac_every2": (2, [*SHARD1, "--training.data_parallel_replicate_degree", "2",
                            "--activation_checkpoint.mode", "selective",
                            "--activation_checkpoint.selective_ac_option", "2"]),
+    "fsdp2_ac_per_op": (2, ["--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "op"]),
     "hsdp2x2": (4, ["--training.data_parallel_replicate_degree", "2",
                     "--training.data_parallel_shard_degree", "2"]),
 }

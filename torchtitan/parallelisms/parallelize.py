@@ -29,24 +29,56 @@ def block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
             if name.split(".")[-1] == "blocks" and isinstance(m, nn.ModuleList)]
 
 
+# Ops whose outputs selective per-op AC keeps (recomputing them is what costs): matmuls and
+# attention. Everything else in a block (norms, activations, adds) is recomputed.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
 def apply_ac(model: nn.Module, mode: str, option: str) -> None:
-    """Activation checkpointing per block: ``full`` = every block, ``selective`` with an
-    integer option N = every N-th block."""
+    """Activation checkpointing per block: ``full`` = every block; ``selective`` with an
+    integer option N = every N-th block, with ``op`` = every block, keeping the outputs of
+    matmuls and attention and recomputing the cheap ops in between."""
     if mode == "none":
         return
-    every = 1
-    if mode == "selective":
+    every, kwargs = 1, {}
+    if mode == "selective" and option == "op":
+        kwargs = {"context_fn": _op_context}
+    elif mode == "selective":
         if not option.isdigit() or int(option) < 1:
             raise ValueError(
-                f"activation_checkpoint.selective_ac_option={option!r}: use a positive integer N "
-                "to checkpoint every N-th block"
+                f"activation_checkpoint.selective_ac_option={option!r}: use 'op' or a positive "
+                "integer N to checkpoint every N-th block"
             )
         every = int(option)
     for _, blocks in block_lists(model):
         for i in range(len(blocks)):
             if i % every == 0:
-                blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False)
-    logger.info("activation checkpointing: %s (every %d-th block)", mode, every)
+                blocks[i] = checkpoint_wrapper(blocks[i], preserve_rng_state=False, **kwargs)
+    logger.info("activation checkpointing: %s (%s)", mode,
+                "per op" if kwargs else f"every {every}-th block")
 
 
 def apply_compile(model: nn.Module) -> None:
