@@ -309,10 +309,19 @@ def predict_regions(args) -> list[str]:
         window3 = (1, *window)
 
     def predict(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        # inference_mode: less per-op bookkeeping than no_grad (~10% for small ViTs on CPU);
+        # safe here, where the model is never trained afterwards.
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                                    enabled=use_bf16):
             return predict_probabilities(model(x.to(device)).float(), cfg.model.loss)
 
-    root = zarr.open_group(args.out, mode="a", zarr_format=2)
+    if rank == 0:
+        logger.info("predicting %d region(s): window %s, overlap %s, %s blending, tta_flips=%s, "
+                    "planes=%s, threshold %s", len(todo), "x".join(map(str, window)), inf.overlap,
+                    inf.blend, tta, planes, threshold)
+    # Only rank 0 creates groups and metadata (ranks creating the same group at once race);
+    # the others open the arrays after a barrier.
+    root = zarr.open_group(args.out, mode="a", zarr_format=2) if rank == 0 else None
     written = []
     # Buffers per voxel of a block: the outputs, plus their running sum with three tilings.
     buffers = len(classes) * (2 if planes == "zyx" else 1)
