@@ -153,36 +153,36 @@ def _fails_with(result, *fragments):
 
 
 def test_bad_input_missing_dataset_path(tmp_path):
-    r = launch("train_segmentation.py", _seg_args(tmp_path / "nowhere", tmp_path / "d"), timeout=120)
+    r = launch("train_segmentation.py", _seg_args(tmp_path / "nowhere", tmp_path / "d"), timeout=300)
     _fails_with(r, "data.dataset_path", "nowhere", "does not exist")
 
 
 def test_bad_input_dataset_without_expected_groups(tmp_path):
     root = tmp_path / "data"
     zarr.open_group(str(root / "jrc_x" / "jrc_x.zarr" / "recon-1" / "raw"), mode="w", zarr_format=2)
-    r = launch("train_segmentation.py", _seg_args(root, tmp_path / "d"), timeout=120)
+    r = launch("train_segmentation.py", _seg_args(root, tmp_path / "d"), timeout=300)
     _fails_with(r, "jrc_x.zarr", "recon-1/em/fibsem-uint8")
 
 
 def test_bad_input_crop_size_larger_than_any_crop(demo_data, tmp_path):
     r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d", "--model.crop_size",
-                                                  "1024,1024"), timeout=120)
+                                                  "1024,1024"), timeout=300)
     _fails_with(r, "model.crop_size", "[1024, 1024]", "larger than every training label crop")
 
 
 def test_bad_input_class_no_crop_annotates(demo_data, tmp_path):
     r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d", "--data.classes",
-                                                  "mito,perox"), timeout=120)
+                                                  "mito,perox"), timeout=300)
     _fails_with(r, "data.classes", "'perox'", "mito")
 
 
 def test_bad_input_batch_not_divisible_by_data_parallel_degree(demo_data, tmp_path):
     r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d",
-                                                  "--training.batch_size", "3"), timeout=120)
+                                                  "--training.batch_size", "3"), timeout=300)
     _fails_with(r, "training.batch_size=3", "data-parallel degree 2")
 
 
 def test_bad_input_config_key(demo_data, tmp_path):
     r = launch("train_segmentation.py", _seg_args(demo_data, tmp_path / "d", "--training.setps",
-                                                  "3"), timeout=120)
+                                                  "3"), timeout=300)
     _fails_with(r, "training.setps", "training.steps")

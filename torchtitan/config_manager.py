@@ -867,6 +867,12 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
             f"'model.decoder_dim' = {model.decoder_dim} is not divisible by "
             f"'model.decoder_num_heads' = {model.decoder_num_heads}"
         )
+    if (model.ndim == 2 and config.inference.planes == "zyx"
+            and len(set(config.data.voxel_size)) > 1):
+        problems.append(
+            f"'inference.planes' = 'zyx' runs the 2D model on zx and zy planes too, which needs "
+            f"an isotropic 'data.voxel_size' (got {config.data.voxel_size}); use planes = 'z'"
+        )
     if model.class_weights and len(model.class_weights) != len(config.data.classes):
         problems.append(
             f"'model.class_weights' has {len(model.class_weights)} entries but 'data.classes' "

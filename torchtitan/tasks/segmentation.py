@@ -95,7 +95,7 @@ class SegmentationTask:
 
         # Sharded models need the same number of forwards on every rank: count them first.
         calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, inf.overlap,
-                                      inf.batch_size) for c in mine)
+                                      inf.batch_size, planes=inf.planes) for c in mine)
         idle = most_forwards(calls, trainer) - calls
         per_crop = []
         for crop in mine:
