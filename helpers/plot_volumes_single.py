@@ -34,7 +34,7 @@ from torchtitan.datasets.cellmap import (  # noqa: E402
     EMSource,
     LabelCrop,
     ScaleLevel,
-    _read_crop,
+    read_crop,
     closest_level,
     discover,
     read_label_class,
@@ -61,7 +61,7 @@ def load_sources(path) -> list[EMSource]:
     gt = path / GT_GROUP
     if gt.is_dir():
         for crop_dir in sorted(p for p in gt.iterdir() if p.is_dir()):
-            crop = _read_crop(crop_dir, name)
+            crop = read_crop(crop_dir, name)
             if crop is not None:
                 crops.append(crop)
     return [EMSource(name, str(path), levels, crops)]

@@ -53,13 +53,12 @@ from torchtitan.datasets.cellmap import (
     read_linear,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
+from torchtitan.evaluation import INSTANCE_CLASSES, label_instances
 from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
 from torchtitan.models import predict_probabilities
 
 logger = logging.getLogger(__name__)
 
-# CellMap classes scored as instances (connected components give instance ids).
-INSTANCE_CLASSES = ("nuc", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell")
 
 
 @dataclass
@@ -380,14 +379,13 @@ def predict_regions(args) -> list[str]:
 
 def _label_instances(root, region: Region, classes: list[str], voxel_size, chunks) -> None:
     """Replace the masks of instance classes by connected-component ids (in memory: meant for
-    crops and regions that fit; whole volumes keep their masks)."""
-    import scipy.ndimage as ndi
-
+    crops and regions that fit; whole volumes keep their masks). Components are found exactly
+    as the scoring command finds them."""
     for cls in classes:
         if cls not in INSTANCE_CLASSES:
             continue
         mask = root[f"{region.name}/{cls}/s0"][:]
-        ids, n = ndi.label(mask, structure=np.ones((3, 3, 3)))
+        ids, n = label_instances(mask)
         arr = _write_group(root, region, cls, voxel_size, "uint32", chunks)
         arr[:] = ids.astype(np.uint32)
         logger.info("%s/%s: %d instances", region.name, cls, n)

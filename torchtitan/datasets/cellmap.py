@@ -151,7 +151,9 @@ def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
     return levels
 
 
-def _read_crop(crop_path: Path, dataset: str) -> LabelCrop | None:
+def read_crop(crop_path: Path, dataset: str) -> LabelCrop | None:
+    """One label crop folder (``crop<N>``) of ``dataset``: its annotated class groups, or
+    None when it holds none."""
     classes: dict[str, list[ScaleLevel]] = {}
     encoding: dict[str, dict[str, int]] = {}
     for class_dir in sorted(p for p in crop_path.iterdir() if p.is_dir()):
@@ -193,7 +195,7 @@ def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
         gt = store / GT_GROUP
         if gt.is_dir():
             for crop_dir in sorted(p for p in gt.iterdir() if p.is_dir()):
-                crop = _read_crop(crop_dir, ds_dir.name)
+                crop = read_crop(crop_dir, ds_dir.name)
                 if crop is not None:
                     crops.append(crop)
         sources.append(EMSource(ds_dir.name, str(store), levels, crops))
