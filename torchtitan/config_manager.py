@@ -316,6 +316,54 @@ class Data:
         "MAE: minimum fraction of non-zero EM voxels in a sample; 0 disables.",
         check=(_fraction, "must be in [0, 1]"),
     )
+    class_balanced: bool = opt(
+        False,
+        "Segmentation: pick each sample's class uniformly first, then a crop (and place) that "
+        "holds it, so rare classes are seen as often as common ones.",
+    )
+    planes: str = opt(
+        "z",
+        "2D models: sample planes normal to z only ('z') or to z, y and x at random ('zyx'; "
+        "needs an isotropic data.voxel_size).",
+        choices=("z", "zyx"),
+    )
+    dataset_name: str = opt(
+        "",
+        "2D segmentation from a slices dataset made by helpers/create_slice_dataset.py: a "
+        "save_to_disk folder or a Hugging Face Hub name; empty = read the zarr stores.",
+    )
+    max_resample: int = opt(
+        10, "Attempts to draw a replacement sample when reading one fails (corrupt chunk).",
+        min=0,
+    )
+
+
+@dataclass
+class Augmentation:
+    """Training augmentations, drawn per sample from its own generator and applied alike to
+    EM, targets and validity masks (intensity changes touch EM only)."""
+
+    flips: bool = opt(True, "Random flips of every axis and y/x transposes.")
+    rot90: bool = opt(False, "Random multiples of 90 degrees in isotropic planes.")
+    rotate_deg: float = opt(
+        0.0, "Random rotation about z of up to this many degrees (0 disables).", min=0
+    )
+    scale: float = opt(
+        0.0, "Random isotropic zoom in [1 - scale, 1 + scale] (0 disables).",
+        check=(_fraction_below_one, "must be in [0, 1)"),
+    )
+    contrast: float = opt(
+        0.0, "Random contrast factor in [1 - contrast, 1 + contrast] (0 disables).",
+        check=(_fraction_below_one, "must be in [0, 1)"),
+    )
+    gamma: float = opt(
+        0.0, "Random gamma in [1 - gamma, 1 + gamma] (0 disables).",
+        check=(_fraction_below_one, "must be in [0, 1)"),
+    )
+    noise_std: float = opt(0.0, "Std of additive Gaussian noise on normalised EM.", min=0)
+    blur_sigma: float = opt(
+        0.0, "Random Gaussian blur of EM with sigma up to this many voxels (0 disables).", min=0
+    )
 
 
 @dataclass
@@ -412,6 +460,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
+    augmentation: Augmentation = field(default_factory=Augmentation)
     model: Model = field(default_factory=Model)
     inference: Inference = field(default_factory=Inference)
     comm: Comm = field(default_factory=Comm)
@@ -872,6 +921,12 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
         problems.append(
             f"'inference.planes' = 'zyx' runs the 2D model on zx and zy planes too, which needs "
             f"an isotropic 'data.voxel_size' (got {config.data.voxel_size}); use planes = 'z'"
+        )
+    if (model.ndim == 2 and config.data.planes == "zyx"
+            and len(set(config.data.voxel_size)) > 1):
+        problems.append(
+            f"'data.planes' = 'zyx' samples zx and zy planes too, which needs an isotropic "
+            f"'data.voxel_size' (got {config.data.voxel_size}); use planes = 'z'"
         )
     if model.class_weights and len(model.class_weights) != len(config.data.classes):
         problems.append(
