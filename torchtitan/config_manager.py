@@ -286,7 +286,11 @@ class Metrics:
 class Data:
     """The dataset: where it is, which classes, how crops are sampled and split."""
 
-    dataset_path: str = opt("./data/demo", "Root folder of the zarr datasets.")
+    dataset_path: str = opt(
+        "./data/demo",
+        "Folder of <ds>/<ds>.zarr stores, or a split list: a .csv in cellmap-data's datasplit "
+        "format or a .toml of [[train]] / [[val]] entries.",
+    )
     classes: list[str] = opt(
         ["nuc", "mito", "er", "cell"],
         "Label classes to segment, one output channel each.",
@@ -308,18 +312,22 @@ class Data:
     )
     min_label_fraction: float = opt(
         1.0,
-        "Fraction of each sample that must lie inside the label crop.",
+        "Fraction of each sample that must lie inside its label crop; below 1 samples may "
+        "extend past the crop (EM context is read, labels there are invalid). A crop smaller "
+        "than the sample is centred on it.",
         check=(_fraction, "must be in [0, 1]"),
     )
     foreground_threshold: float = opt(
         0.0,
-        "MAE: minimum fraction of non-zero EM voxels in a sample; 0 disables.",
+        "MAE: redraw a sample's place (from its own generator, up to 16 times, keeping the "
+        "best) until this fraction of its EM voxels is non-zero; 0 disables.",
         check=(_fraction, "must be in [0, 1]"),
     )
     class_balanced: bool = opt(
         False,
-        "Segmentation: pick each sample's class uniformly first, then a crop (and place) that "
-        "holds it, so rare classes are seen as often as common ones.",
+        "Segmentation: pick each sample's class uniformly first, then a training crop that "
+        "annotates it (itself or all its parts) and a place around one of its voxels, so rare "
+        "classes are seen as often as common ones.",
     )
     planes: str = opt(
         "z",
@@ -333,7 +341,8 @@ class Data:
         "save_to_disk folder or a Hugging Face Hub name; empty = read the zarr stores.",
     )
     max_resample: int = opt(
-        10, "Attempts to draw a replacement sample when reading one fails (corrupt chunk).",
+        10, "Replacement draws when reading a sample fails on a corrupt chunk (each logged "
+        "with the array path and counted in the batch's 'resampled'); 0 = fail at once.",
         min=0,
     )
 
@@ -343,13 +352,21 @@ class Augmentation:
     """Training augmentations, drawn per sample from its own generator and applied alike to
     EM, targets and validity masks (intensity changes touch EM only)."""
 
-    flips: bool = opt(True, "Random flips of every axis and y/x transposes.")
-    rot90: bool = opt(False, "Random multiples of 90 degrees in isotropic planes.")
+    flips: bool = opt(
+        True, "Random flips of every axis and y/x transposes (where y and x have equal voxel "
+        "and crop sizes)."
+    )
+    rot90: bool = opt(
+        False, "Random multiples of 90 degrees in every plane whose two axes have equal voxel "
+        "and crop sizes."
+    )
     rotate_deg: float = opt(
-        0.0, "Random rotation about z of up to this many degrees (0 disables).", min=0
+        0.0, "Random rotation about z (2D: in the sample's plane) of up to this many degrees, "
+        "by resampling a larger box: linear for EM, nearest for labels (0 disables).", min=0
     )
     scale: float = opt(
-        0.0, "Random isotropic zoom in [1 - scale, 1 + scale] (0 disables).",
+        0.0, "Random isotropic zoom in [1 - scale, 1 + scale] (in nm, so anisotropic voxels "
+        "stay right), by resampling like rotate_deg (0 disables).",
         check=(_fraction_below_one, "must be in [0, 1)"),
     )
     contrast: float = opt(
@@ -362,7 +379,8 @@ class Augmentation:
     )
     noise_std: float = opt(0.0, "Std of additive Gaussian noise on normalised EM.", min=0)
     blur_sigma: float = opt(
-        0.0, "Random Gaussian blur of EM with sigma up to this many voxels (0 disables).", min=0
+        0.0, "Random Gaussian blur of EM with sigma up to this many voxels of the finest axis "
+        "(the same width in nm on every axis; 0 disables).", min=0
     )
 
 

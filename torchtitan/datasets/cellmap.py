@@ -5,21 +5,28 @@ The CellMap challenge stores every dataset as a zarr store:
     <root>/<ds>/<ds>.zarr/recon-1/em/fibsem-uint8/s0..sN                  EM, multiscale
     <root>/<ds>/<ds>.zarr/recon-1/labels/groundtruth/crop<N>/<class>/s0..  label crops
 
-Each multiscale group carries OME-NGFF 0.4 ``multiscales`` metadata: per level a ``scale``
-(nm per voxel) and a ``translation`` (nm position of the *centre* of voxel 0). Label crops sit
+Each multiscale group carries OME-NGFF ``multiscales`` metadata (0.4 in zarr format 2, or 0.5
+under the ``ome`` key of a zarr format 3 ``zarr.json``): per level a ``scale`` (nm per voxel)
+and a ``translation`` (nm position of the *centre* of voxel 0). Label crops sit
 anywhere inside the EM volume and may use a finer or coarser grid than the EM. Everything
 here therefore works in world coordinates and converts to voxel indices only when reading.
 
 A "training grid" is described by an origin (world position of the corner of the first
 voxel, nm) plus a voxel size and a shape; voxel ``i`` has its centre at
 ``origin + (i + 0.5) * voxel_size``.
+
+``data.dataset_path`` is either a folder in the layout above or a split list (CSV or TOML)
+naming EM volumes and crops one by one, each crop marked train or val (see "Split lists").
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
+import tomllib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +40,28 @@ UNKNOWN = 255  # CellMap's "unknown" label value
 
 class DatasetError(ValueError):
     """A problem with the data on disk or its description; the message says what to fix."""
+
+
+class ChunkReadError(DatasetError):
+    """A chunk of a zarr array could not be read or decoded (corrupt or truncated file).
+
+    Raised by the region reader with the array path and the index region; the sample builder
+    catches it and draws another sample instead of stopping the run.
+    """
+
+    def __init__(self, array_path: str, lo=None, hi=None, cause: BaseException | None = None):
+        if lo is None:  # rebuilt from its message alone (unpickling, DataLoader workers)
+            self.array_path, self.region = "", None
+            super().__init__(array_path)
+            return
+        self.array_path = str(array_path)
+        self.region = (tuple(int(v) for v in lo), tuple(int(v) for v in hi))
+        region = ", ".join(f"{a}:{b}" for a, b in zip(*self.region))
+        super().__init__(
+            f"cannot read zarr array {self.array_path} at voxel region [{region}] (z, y, x): "
+            f"{type(cause).__name__ if cause else 'error'}: {cause}. A chunk file there is "
+            "probably corrupt or truncated; re-copy or re-write that array"
+        )
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,8 @@ class LabelCrop:
     dataset: str  # e.g. "jrc_hela-2"
     classes: dict[str, list[ScaleLevel]]
     encoding: dict[str, dict[str, int]] = field(default_factory=dict)
+    # "train" or "val" when a split list (CSV / TOML) assigned the crop; None for a folder.
+    split: str | None = None
 
     @property
     def full_name(self) -> str:
@@ -115,26 +146,36 @@ def _array_shape(array_path: Path) -> tuple[int, ...]:
 
 
 def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
-    """Read the OME-NGFF 0.4 ``multiscales`` of a group: one ScaleLevel per dataset path."""
+    """Read the OME-NGFF ``multiscales`` of a group (0.4 in zarr format 2 ``.zattrs``, or 0.5
+    under ``ome`` in a zarr format 3 ``zarr.json``): one ScaleLevel per dataset path."""
     group_path = Path(group_path)
     attrs = _read_attrs(group_path)
     ms = attrs.get("multiscales") or attrs.get("ome", {}).get("multiscales")
     if not ms:
         raise DatasetError(
             f"{group_path}: no OME-NGFF 'multiscales' attribute; every EM and label group must "
-            "describe its levels (scale and translation in nm)"
+            "describe its levels: add 'multiscales' (OME-NGFF 0.4, in .zattrs) or "
+            "'ome': {'multiscales': ...} (0.5, in zarr.json) with axes z, y, x in nanometer and "
+            "a scale and translation per level"
         )
     ms = ms[0]
     axes = ms.get("axes", [])
-    names = tuple(a["name"] if isinstance(a, dict) else a for a in axes)
+    names = tuple(a.get("name") if isinstance(a, dict) else a for a in axes)
     if names != AXES:
-        raise DatasetError(f"{group_path}: axes are {names}, expected {AXES}")
+        raise DatasetError(
+            f"{group_path}: multiscales axes are {names}, expected {AXES}; only 3D EM and "
+            "labels are supported: store the arrays as (z, y, x) and list exactly those axes"
+        )
     for a in axes:
         unit = a.get("unit") if isinstance(a, dict) else None
         if unit not in (None, "nanometer"):
             raise DatasetError(
-                f"{group_path}: axis {a['name']!r} has unit {unit!r}; only 'nanometer' is supported"
+                f"{group_path}: axis {a['name']!r} has unit {unit!r}; only 'nanometer' is "
+                "supported: convert the scale and translation of every level to nanometres "
+                "and set the axis unit to 'nanometer'"
             )
+    if not ms.get("datasets"):
+        raise DatasetError(f"{group_path}: multiscales lists no 'datasets' (levels s0, s1, ...)")
     levels = []
     for ds in ms["datasets"]:
         scale, translation = (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)
@@ -147,16 +188,20 @@ def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
         shape = _array_shape(path)
         if len(shape) != 3:
             raise DatasetError(f"{path}: expected a 3D (z, y, x) array, got shape {shape}")
+        if min(scale) <= 0:
+            raise DatasetError(f"{path}: scale {list(scale)} must be positive (nm per voxel)")
         levels.append(ScaleLevel(str(path), scale, translation, shape))
     return levels
 
 
-def read_crop(crop_path: Path, dataset: str) -> LabelCrop | None:
-    """One label crop folder (``crop<N>``) of ``dataset``: its annotated class groups, or
-    None when it holds none."""
+def read_crop(crop_path: Path, dataset: str, only: list[str] | None = None) -> LabelCrop | None:
+    """One label crop folder (``crop<N>``) of ``dataset``: its annotated class groups (all, or
+    those named in ``only``), or None when it holds none."""
     classes: dict[str, list[ScaleLevel]] = {}
     encoding: dict[str, dict[str, int]] = {}
     for class_dir in sorted(p for p in crop_path.iterdir() if p.is_dir()):
+        if only is not None and class_dir.name not in only:
+            continue
         attrs = _read_attrs(class_dir)
         if "multiscales" not in attrs and "ome" not in attrs:
             continue  # not a class group
@@ -171,13 +216,16 @@ def read_crop(crop_path: Path, dataset: str) -> LabelCrop | None:
 
 
 def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
-    """Find every CellMap-layout dataset (``<ds>/<ds>.zarr``) below ``dataset_path``."""
+    """Find every CellMap-layout dataset (``<ds>/<ds>.zarr``) below ``dataset_path``, or read
+    the datasets and crops a split list (``.csv`` or ``.toml`` file) names."""
     root = Path(dataset_path)
+    if root.is_file():
+        return read_split_list(root)
     if not root.is_dir():
         raise DatasetError(
             f"data.dataset_path {str(root)!r} does not exist or is not a folder; point it at a "
-            "folder of <dataset>/<dataset>.zarr stores (run `python helpers/make_demo_data.py` "
-            "for the built-in demo data)"
+            "folder of <dataset>/<dataset>.zarr stores or at a split list (.csv / .toml) "
+            "(run `python helpers/make_demo_data.py` for the built-in demo data)"
         )
     sources = []
     for ds_dir in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -207,14 +255,260 @@ def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
     return sources
 
 
+# ---------------------------------------------------------------------------------------------
+# Split lists: EM volumes and crops named one by one, each crop marked train or val
+# ---------------------------------------------------------------------------------------------
+#
+# CSV, as cellmap-data / the CellMap challenge write it (no header; one crop per row):
+#     "train","/data/jrc_x/jrc_x.zarr","recon-1/em/fibsem-uint8",
+#         "/data/jrc_x/jrc_x.zarr","recon-1/labels/groundtruth/crop1/[mito,nuc]"   (one line)
+#     "validate",...
+#   columns: split (train | validate), EM store, EM group inside it, label store, crop group
+#   inside it with the classes to use in brackets (no brackets: every class of the crop).
+#   A row of only the first three columns adds an EM volume without labels (MAE).
+# TOML:
+#     root = "/data"                      # optional: base of relative paths (default: the
+#                                         # TOML's folder)
+#     [[train]]
+#     em = "jrc_x/jrc_x.zarr/recon-1/em/fibsem-uint8"
+#     crops = ["jrc_x/jrc_x.zarr/recon-1/labels/groundtruth/crop1"]   # or crop = "..."
+#     classes = ["mito", "nuc"]           # optional: default every class of each crop
+#     name = "jrc_x"                      # optional: default the .zarr store's name
+#     [[val]]
+#     ...
+# Relative CSV paths are relative to the CSV's folder.
+
+SPLIT_NAMES = {"train": "train", "val": "val", "validate": "val", "validation": "val"}
+
+
+@dataclass(frozen=True)
+class SplitEntry:
+    """One EM volume and (optionally) one of its label crops, as a split list names them."""
+
+    where: str  # "<file> line 3" / "<file> [[train]] entry 2", for messages
+    split: str  # "train" | "val"
+    em: Path  # the EM multiscale group
+    crop: Path | None  # the label crop group (holding one multiscale group per class)
+    classes: tuple[str, ...] | None  # classes to use from the crop; None: every class
+    name: str | None = None  # dataset name; None: the name of the enclosing .zarr store
+
+
+def _split_name(text: str, where: str) -> str:
+    split = SPLIT_NAMES.get(text.strip().lower())
+    if split is None:
+        raise DatasetError(f"{where}: split {text!r} is neither 'train' nor 'validate' (or 'val')")
+    return split
+
+
+def _local_path(text: str, base: Path, where: str) -> Path:
+    if "://" in text:
+        raise DatasetError(
+            f"{where}: {text!r} is a remote URL; only local (or mounted) zarr stores are "
+            "supported: download the data first (e.g. `csc fetch-data`) and list local paths"
+        )
+    p = Path(text).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def _crop_and_classes(text: str) -> tuple[str, tuple[str, ...] | None]:
+    """``recon-1/labels/groundtruth/crop1/[mito,nuc]`` -> (``.../crop1``, ("mito", "nuc"))."""
+    text = text.strip()
+    if text.endswith("]") and "[" in text:
+        head, _, names = text[:-1].rpartition("[")
+        classes = tuple(c.strip() for c in names.split(",") if c.strip())
+        return head.rstrip("/"), classes
+    return text.rstrip("/"), None
+
+
+def _read_split_csv(path: Path) -> list[SplitEntry]:
+    entries = []
+    with open(path, newline="") as f:
+        for lineno, row in enumerate(csv.reader(f), start=1):
+            row = [c.strip() for c in row]
+            if not any(row) or row[0].startswith("#"):
+                continue
+            where = f"{path} line {lineno}"
+            if len(row) not in (3, 5):
+                raise DatasetError(
+                    f"{where}: expected 5 columns \"train|validate\",\"<EM store>\",\"<EM group>\","
+                    "\"<label store>\",\"<crop group>/[class,...]\" (or the first 3 for an EM "
+                    f"volume without labels), got {len(row)}: {row}"
+                )
+            split = _split_name(row[0], where)
+            em = _local_path(row[1], path.parent, where) / row[2]
+            crop, classes = None, None
+            if len(row) == 5:
+                crop_group, classes = _crop_and_classes(row[4])
+                crop = _local_path(row[3], path.parent, where) / crop_group
+            entries.append(SplitEntry(where, split, em, crop, classes))
+    return entries
+
+
+TOML_ENTRY_KEYS = {"em", "crop", "crops", "classes", "name"}
+
+
+def _read_split_toml(path: Path) -> list[SplitEntry]:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise DatasetError(f"{path}: not valid TOML: {e}") from e
+    unknown = set(doc) - {"root", *SPLIT_NAMES}
+    if unknown:
+        raise DatasetError(
+            f"{path}: unknown keys {sorted(unknown)}; a split list has an optional 'root' and "
+            "[[train]] / [[val]] entries"
+        )
+    base = _local_path(str(doc.get("root", ".")), path.parent, str(path))
+    entries = []
+    for key in SPLIT_NAMES:
+        tables = doc.get(key, [])
+        if not isinstance(tables, list):
+            raise DatasetError(f"{path}: '{key}' must be a list of tables, written [[{key}]]")
+        for i, t in enumerate(tables, start=1):
+            where = f"{path} [[{key}]] entry {i}"
+            bad = set(t) - TOML_ENTRY_KEYS
+            if bad or "em" not in t:
+                raise DatasetError(
+                    f"{where}: needs 'em' (the EM multiscale group) and may have 'crop' / "
+                    f"'crops', 'classes' and 'name'; got keys {sorted(t)}"
+                )
+            crops = t.get("crops", t.get("crop", []))
+            crops = [crops] if isinstance(crops, str) else list(crops)
+            classes = tuple(t["classes"]) if "classes" in t else None
+            em = _local_path(t["em"], base, where)
+            split = _split_name(key, where)
+            name = t.get("name")
+            if not crops:
+                entries.append(SplitEntry(where, split, em, None, None, name))
+            for c in crops:
+                entries.append(SplitEntry(where, split, em, _local_path(c, base, where),
+                                          classes, name))
+    return entries
+
+
+def _zarr_store(path: Path) -> Path | None:
+    """The enclosing ``*.zarr`` folder of a group path, if any."""
+    for p in (path, *path.parents):
+        if p.suffix == ".zarr":
+            return p
+    return None
+
+
+def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
+    sources: dict[str, EMSource] = {}
+    em_groups: dict[str, Path] = {}
+    listed: dict[str, SplitEntry] = {}  # crop full name -> the entry that listed it
+    for e in entries:
+        store = _zarr_store(e.em)
+        name = e.name or (store.stem if store else None)
+        if name is None:
+            raise DatasetError(
+                f"{e.where}: EM group {e.em} is not inside a .zarr store, so it has no dataset "
+                "name; give one (TOML: name = \"...\")"
+            )
+        if name not in sources:
+            if not e.em.is_dir():
+                raise DatasetError(
+                    f"{e.where}: EM group {e.em} does not exist; fix the path (EM store + group, "
+                    f"e.g. <ds>.zarr/{EM_GROUP})"
+                )
+            sources[name] = EMSource(name, str(store or e.em), read_multiscales(e.em), [])
+            em_groups[name] = e.em
+        elif em_groups[name] != e.em:
+            raise DatasetError(
+                f"{e.where}: dataset {name!r} already has the EM group {em_groups[name]}, now "
+                f"{e.em}; one dataset has one EM volume: list the same EM group for all its "
+                "crops, or give the other volume its own name"
+            )
+        if e.crop is None:
+            continue
+        if not e.crop.is_dir():
+            raise DatasetError(f"{e.where}: label crop {e.crop} does not exist; fix the path")
+        if e.classes is not None:
+            missing = [c for c in e.classes if not (e.crop / c).is_dir()]
+            if missing:
+                present = sorted(p.name for p in e.crop.iterdir() if p.is_dir())
+                raise DatasetError(
+                    f"{e.where}: label crop {e.crop} has no class group {missing} (it has "
+                    f"{present}); remove those classes from the list or add their labels"
+                )
+        crop = read_crop(e.crop, name, only=list(e.classes) if e.classes is not None else None)
+        if crop is None:
+            raise DatasetError(
+                f"{e.where}: {e.crop} holds no class group with OME-NGFF multiscales; point "
+                "the entry at a crop folder (.../groundtruth/crop<N>) of per-class groups"
+            )
+        crop.split = e.split
+        if crop.full_name in listed:
+            first = listed[crop.full_name]
+            raise DatasetError(
+                f"{e.where}: crop {crop.full_name} ({e.crop}) is already listed at {first.where} "
+                f"({first.crop}, {first.split}); list every crop once, as train or as val"
+            )
+        listed[crop.full_name] = e
+        sources[name].crops.append(crop)
+    return list(sources.values())
+
+
+def read_split_list(path: str | os.PathLike) -> list[EMSource]:
+    """The datasets and crops a split list (.csv or .toml) names; every crop carries its
+    ``split`` ("train" or "val")."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        entries = _read_split_csv(path)
+    elif suffix == ".toml":
+        entries = _read_split_toml(path)
+    else:
+        raise DatasetError(
+            f"data.dataset_path {str(path)!r} is a file but not a split list; give a folder of "
+            "<dataset>/<dataset>.zarr stores, a .csv (cellmap-data datasplit format) or a .toml "
+            "split list"
+        )
+    if not entries:
+        raise DatasetError(f"split list {path} names no EM volume; add train / val entries")
+    return _sources_from_entries(entries)
+
+
 def check_crop_inside(source: EMSource, crop: LabelCrop) -> None:
+    """A label crop must lie inside its EM volume (world coordinates, nm)."""
     em_min, em_max = source.levels[0].box_min, source.levels[0].box_max
     tol = 1e-3
     if np.any(crop.box_min < em_min - tol) or np.any(crop.box_max > em_max + tol):
+        cls = next(iter(crop.classes))
         raise DatasetError(
             f"{source.store}: label crop {crop.name} spans {crop.box_min.tolist()}..."
             f"{crop.box_max.tolist()} nm, outside its EM volume {em_min.tolist()}..."
-            f"{em_max.tolist()} nm"
+            f"{em_max.tolist()} nm (EM {Path(source.levels[0].path).parent}); check the "
+            f"'translation' and 'scale' of the crop's levels (e.g. {crop.classes[cls][0].path}) "
+            "against the EM's: both are in nm and give the centre of voxel 0"
+        )
+
+
+# How far the training voxel size may be from the EM levels on any axis: up to 2x finer than
+# the finest level (e.g. 16 nm z sections read on an 8 nm grid) or 2x coarser than the coarsest.
+MAX_RESAMPLE_FACTOR = 2.0
+
+
+def check_voxel_size(source: EMSource, voxel_size) -> None:
+    """``data.voxel_size`` must be servable by some EM level of ``source``: interpolating more
+    than 2x finer than the finest level invents detail, reading more than 2x coarser than the
+    coarsest level aliases."""
+    v = np.asarray(voxel_size, dtype=float)
+    scales = np.asarray([lv.scale for lv in source.levels], dtype=float)
+    finest, coarsest = scales.min(axis=0), scales.max(axis=0)
+    tol = 1e-6
+    too_fine = v * MAX_RESAMPLE_FACTOR < finest * (1 - tol)
+    too_coarse = v > coarsest * MAX_RESAMPLE_FACTOR * (1 + tol)
+    if too_fine.any() or too_coarse.any():
+        levels = ", ".join(f"{Path(lv.path).name}={list(lv.scale)}" for lv in source.levels)
+        what = "finer than half the finest" if too_fine.any() else "coarser than twice the coarsest"
+        axes = "".join(a for a, bad in zip(AXES, too_fine | too_coarse) if bad)
+        raise DatasetError(
+            f"{source.store}: data.voxel_size {v.tolist()} nm is {what} EM level on axis "
+            f"{axes} (EM {Path(source.levels[0].path).parent} levels, nm: {levels}); choose "
+            f"a data.voxel_size within {MAX_RESAMPLE_FACTOR:g}x of an available level on "
+            "every axis"
         )
 
 
@@ -229,20 +523,28 @@ def closest_level(levels: list[ScaleLevel], voxel_size) -> int:
 # Reading a box of the training grid
 # ---------------------------------------------------------------------------------------------
 
-_ARRAY_CACHE: dict[str, object] = {}
+# Open array handles, per process (each loader worker has its own), least recently used last.
+# A handle holds only metadata and the store, never chunk data (zarr-python 3 caches no
+# chunks), but a dataset may have tens of thousands of label arrays, hence the bound.
+_ARRAY_CACHE: OrderedDict[str, object] = OrderedDict()
+ARRAY_CACHE_SIZE = 256
 
 
 def open_array(path: str):
-    """Open a zarr array once per process (handles are cheap; chunk data is never cached)."""
+    """Open a zarr array, reusing a handle opened recently by this process."""
     arr = _ARRAY_CACHE.get(path)
-    if arr is None:
-        import zarr
+    if arr is not None:
+        _ARRAY_CACHE.move_to_end(path)
+        return arr
+    import zarr
 
-        try:
-            arr = zarr.open_array(path, mode="r")
-        except Exception as e:  # noqa: BLE001 - re-raised with the path
-            raise DatasetError(f"cannot open zarr array {path}: {e}") from e
-        _ARRAY_CACHE[path] = arr
+    try:
+        arr = zarr.open_array(path, mode="r")
+    except Exception as e:  # noqa: BLE001 - re-raised with the path
+        raise DatasetError(f"cannot open zarr array {path}: {e}") from e
+    _ARRAY_CACHE[path] = arr
+    while len(_ARRAY_CACHE) > ARRAY_CACHE_SIZE:
+        _ARRAY_CACHE.popitem(last=False)
     return arr
 
 
@@ -256,7 +558,12 @@ def _positions(level: ScaleLevel, origin, voxel_size, shape) -> list[np.ndarray]
 
 
 def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.ndarray:
-    """Read index box [lo, hi) of a level; parts outside the array are ``fill``."""
+    """Read index box [lo, hi) of a level; parts outside the array are ``fill``.
+
+    A chunk missing on disk reads as the array's fill value (zarr's sparse storage; for EM
+    the fill value is usually 0 = background). A chunk that exists but cannot be decoded
+    raises :class:`ChunkReadError`, which the sample builders catch to draw another sample.
+    """
     arr = open_array(level.path)
     out = np.full([h - l for l, h in zip(lo, hi)], fill, dtype=arr.dtype)
     src, dst = [], []
@@ -266,7 +573,11 @@ def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.nd
             return out
         src.append(slice(a, b))
         dst.append(slice(a - lo[ax], b - lo[ax]))
-    out[tuple(dst)] = arr[tuple(src)]
+    try:
+        data = arr[tuple(src)]
+    except Exception as e:  # noqa: BLE001 - codec errors have no common type across codecs
+        raise ChunkReadError(level.path, [s.start for s in src], [s.stop for s in src], e) from e
+    out[tuple(dst)] = data
     return out
 
 

@@ -1,32 +1,82 @@
 """Training samples drawn by global sample index.
 
-Every random choice for sample ``g`` (which crop, where, which flips) comes from a generator
-seeded with ``(seed, g)``. The global index of position ``j`` of step ``s`` is
+Every random choice for sample ``g`` (plane, class, crop, place, augmentation) comes from a
+generator seeded with ``(seed, g)``. The global index of position ``j`` of step ``s`` is
 ``s * global_batch + j``, so what a step sees depends only on the seed and the global batch,
 never on how many ranks or loader workers share the work. That is what makes resume exact
 and losses identical across parallelisms.
+
+One sample is made in four steps:
+
+1. *Where*: for 2D models with ``planes='zyx'`` a plane normal (z, y or x); then a crop and a
+   box in it. With ``class_balanced`` a class is drawn first, then a crop that annotates it,
+   then a box around one of that class's foreground voxels (from a small per-crop index).
+   With ``min_label_fraction`` < 1 the box may leave the label crop as long as that fraction
+   of it stays inside (EM context is real; labels outside the crop are invalid).
+2. *Augmentation plan* (``augment.py``), drawn next.
+3. *Read*: EM, targets and validity (``targets.py``) of the box, or of a larger box around
+   it when the plan rotates or zooms, which is then resampled onto the sample grid.
+4. Flips, 90 degree rotations, transposes, then intensity changes on EM only.
+
+A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
+``(seed, g, attempt)``; the item's ``resampled`` entry counts the replacements.
 """
 
 from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchtitan.datasets.augment import (
+    NO_AUGMENTATION,
+    AugmentParams,
+    apply_flips,
+    apply_intensity,
+    draw_plan,
+    read_shape,
+    resample,
+    resample_matrix,
+)
 from torchtitan.datasets.cellmap import (
+    ChunkReadError,
     DatasetError,
     EMSource,
     LabelCrop,
+    ScaleLevel,
     closest_level,
     grid_origin_snapped,
-    read_label_class,
     read_linear,
 )
+from torchtitan.datasets.classes import check_class_names
+from torchtitan.datasets.targets import annotates, read_target
+
+logger = logging.getLogger(__name__)
+
+# Read failures that replace a sample instead of stopping the run.
+READ_ERRORS: tuple[type[BaseException], ...] = (ChunkReadError,)
+
+# Class-balanced sampling: each (crop, class) gets a foreground index on a grid this many
+# times coarser than the training grid, of at most FG_POINTS points; at most FG_CACHE of them
+# are kept per process (about FG_CACHE * FG_POINTS * 12 bytes; recomputed when evicted).
+FG_COARSENING = 2
+FG_POINTS = 2048
+FG_CACHE = 256
+
+# MAE foreground filter: draws per sample before the best one is kept.
+FOREGROUND_DRAWS = 16
 
 
-def sample_rng(seed: int, index: int) -> np.random.Generator:
-    """The random generator that owns every choice made for global sample ``index``."""
-    return np.random.default_rng(np.random.SeedSequence([int(seed), int(index)]))
+def sample_rng(seed: int, index: int, attempt: int = 0) -> np.random.Generator:
+    """The random generator that owns every choice made for global sample ``index`` (and for
+    its ``attempt``-th replacement when reading it failed)."""
+    key = [int(seed), int(index)] + ([int(attempt)] if attempt else [])
+    return np.random.default_rng(np.random.SeedSequence(key))
 
 
 def normalize_em(img: np.ndarray) -> np.ndarray:
@@ -40,57 +90,170 @@ def grid_shape(crop_size: list[int] | tuple[int, ...]) -> tuple[int, int, int]:
     return (1, *crop_size) if len(crop_size) == 2 else crop_size  # type: ignore[return-value]
 
 
-def _random_flips(rng: np.random.Generator, ndim: int, isotropic_yx: bool = True) -> dict:
-    """Flip every spatial axis with p=0.5 and swap y/x with p=0.5 (the y-x plane is isotropic
-    in FIB-SEM; z is not always, so it is never swapped)."""
-    return {
-        "flip": [bool(f) for f in rng.random(ndim) < 0.5],
-        "swap_yx": bool(rng.random() < 0.5) and isotropic_yx,
-    }
+def plane_box(crop_size, normal: int) -> tuple[int, int, int]:
+    """The 3D read shape of a model crop; a 2D crop lies in the plane normal to ``normal``
+    (0: z, a y-x plane; 1: y, a z-x plane; 2: x, a z-y plane)."""
+    crop_size = tuple(int(c) for c in crop_size)
+    if len(crop_size) == 3:
+        return crop_size  # type: ignore[return-value]
+    box = list(crop_size)
+    box.insert(normal, 1)
+    return tuple(box)  # type: ignore[return-value]
 
 
-def _apply_flips(arr: np.ndarray, aug: dict, ndim: int) -> np.ndarray:
-    """Apply the same flips to an array shaped (C, *spatial)."""
-    for ax, f in enumerate(aug["flip"]):
-        if f:
-            arr = np.flip(arr, axis=1 + ax)
-    if aug["swap_yx"]:
-        arr = np.swapaxes(arr, -1, -2)
-    return np.ascontiguousarray(arr)
+def origin_range(box_min, box_max, size, min_fraction: float = 1.0,
+                 thin=None) -> tuple[np.ndarray, np.ndarray]:
+    """Lowest and highest origin (nm) of a box of ``size`` nm placed in [box_min, box_max].
+
+    On an axis where the box does not fit it is centred. With ``min_fraction`` < 1 each other
+    axis (except ``thin`` ones, e.g. the normal of a 2D plane) may stick out by the same share,
+    chosen so that ``min_fraction`` of the box volume stays inside.
+    """
+    box_min, box_max = np.asarray(box_min, float), np.asarray(box_max, float)
+    size = np.asarray(size, float)
+    lo, hi = box_min, box_max - size
+    fits = hi >= lo
+    centre = (lo + hi) / 2
+    lo, hi = np.where(fits, lo, centre), np.where(fits, hi, centre)
+    if min_fraction < 1:
+        free = fits & ~(np.zeros(3, bool) if thin is None else np.asarray(thin, bool))
+        inside = float(np.prod(np.where(fits, 1.0, (box_max - box_min) / size)))
+        rest = min_fraction / inside  # the share the free axes must keep inside
+        if free.any() and rest < 1:
+            keep = rest ** (1 / int(free.sum()))
+            lo = np.where(free, box_min - (1 - keep) * size, lo)
+            hi = np.where(free, box_max - keep * size, hi)
+    return lo, hi
 
 
-def _to_sample(arrays: dict[str, np.ndarray], aug: dict | None, ndim: int, index: int) -> dict:
-    """3D (C, D, H, W) arrays -> float32 tensors (C, *crop), augmented alike, plus the index."""
-    out = {}
-    for key, arr in arrays.items():
-        if ndim == 2:
-            arr = arr[:, 0]  # (C, 1, H, W) -> (C, H, W)
-        if aug is not None:
-            arr = _apply_flips(arr, aug, ndim)
-        out[key] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    out["index"] = torch.tensor(index, dtype=torch.int64)
-    return out
+def foreground_fraction(image: np.ndarray) -> float:
+    """Fraction of voxels of normalised EM whose raw value is non-zero (>= 0.5 after
+    interpolation); padding outside the volume reads as zero."""
+    return float(np.mean(image > -1.0 + 0.5 / 127.5))
 
 
-class EMReaderMixin:
-    """Reads EM on the training grid from the level that best matches the voxel size."""
+def _to_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+            for k, a in arrays.items()}
+
+
+class _SampleDataset(Dataset):
+    """What both sample kinds share: EM reading, planes, geometry and the resample loop."""
 
     sources: list[EMSource]
-    voxel_size: np.ndarray
 
-    def _em_level(self, source: EMSource):
+    def __init__(self, voxel_size, crop_size, seed: int, augment: bool,
+                 augmentation: AugmentParams | None, planes: str, max_resample: int):
+        self.voxel_size = np.asarray(voxel_size, dtype=float)
+        self.crop_size = tuple(int(c) for c in crop_size)
+        self.ndim = len(crop_size)
+        self.shape = grid_shape(crop_size)
+        self.seed = seed
+        self.augment = augment
+        self.aug = (augmentation or AugmentParams()) if augment else NO_AUGMENTATION
+        if planes not in ("z", "zyx"):
+            raise DatasetError(f"data.planes must be 'z' or 'zyx', got {planes!r}")
+        self.planes = planes
+        self.max_resample = int(max_resample)
+
+    def __len__(self) -> int:
+        return 2**62  # indexed by global sample index; the sampler decides what is drawn
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def _em_level(self, source: EMSource) -> ScaleLevel:
         return source.levels[closest_level(source.levels, self.voxel_size)]
 
     def read_em(self, source: EMSource, origin, shape) -> tuple[np.ndarray, np.ndarray]:
         img, inside = read_linear(self._em_level(source), origin, self.voxel_size, shape)
         return normalize_em(img), inside
 
+    # -- where ------------------------------------------------------------------------------------
 
-class SegmentationSamples(EMReaderMixin, Dataset):
+    def _draw_normal(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(3)) if self.ndim == 2 and self.planes == "zyx" else 0
+
+    def _box(self, normal: int) -> tuple[int, int, int]:
+        return plane_box(self.crop_size, normal)
+
+    def _range(self, box_min, box_max, box, min_fraction: float = 1.0):
+        size = np.asarray(box) * self.voxel_size
+        thin = np.asarray(box) == 1 if self.ndim == 2 else None
+        return origin_range(box_min, box_max, size, min_fraction, thin)
+
+    # -- geometry ---------------------------------------------------------------------------------
+
+    def _frame(self, normal: int) -> tuple[int, ...]:
+        """The 3D axes a sample keeps: all three in 3D, the plane's two in 2D."""
+        return tuple(a for a in range(3) if self.ndim == 3 or a != normal)
+
+    def _geometry(self, rng: np.random.Generator, level: ScaleLevel, origin, normal: int,
+                  reader: Callable[[np.ndarray, tuple], dict[str, np.ndarray]]):
+        """Draw the augmentation plan and read the box at ``origin`` with it applied.
+
+        ``reader(origin, shape)`` returns 3D arrays (C, D, H, W); ``image`` is interpolated
+        linearly, every other array by nearest neighbour. Returns the arrays in the sample's
+        frame (C, *crop_size), the plan and the frame's voxel size.
+        """
+        box = self._box(normal)
+        keep = list(self._frame(normal))
+        vox = self.voxel_size[keep]
+        out_shape = tuple(box[a] for a in keep)
+        plan = draw_plan(rng, self.aug, out_shape, vox)
+        matrix = resample_matrix(plan, vox)
+
+        def to_frame(arr: np.ndarray) -> np.ndarray:
+            return np.take(arr, 0, axis=1 + normal) if self.ndim == 2 else arr
+
+        if matrix is None:
+            arrays = {k: to_frame(a) for k, a in reader(origin, box).items()}
+        else:
+            big = np.asarray(box)
+            big[keep] = read_shape(out_shape, matrix)
+            centre = np.asarray(origin, float) + np.asarray(box) * self.voxel_size / 2
+            read_origin = grid_origin_snapped(level, self.voxel_size,
+                                              centre - big * self.voxel_size / 2)
+            shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
+            arrays = {}
+            for k, a in reader(read_origin, tuple(int(b) for b in big)).items():
+                order, cval = (1, -1.0) if k == "image" else (0, 0.0)
+                arrays[k] = resample(to_frame(a), matrix, out_shape, shift[keep], order, cval)
+        return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
+
+    def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
+        if self.aug.intensity:
+            arrays["image"] = apply_intensity(arrays["image"], plan, self.aug, rng, vox)
+        return _to_tensors(arrays)
+
+    # -- items ------------------------------------------------------------------------------------
+
+    def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        error: BaseException | None = None
+        for attempt in range(self.max_resample + 1):
+            try:
+                out = self._draw(sample_rng(self.seed, index, attempt))
+            except READ_ERRORS as e:
+                error = e
+                logger.warning("sample %d, draw %d of %d: %s; drawing a replacement", index,
+                               attempt + 1, self.max_resample + 1, e)
+                continue
+            out["index"] = torch.tensor(index, dtype=torch.int64)
+            out["resampled"] = torch.tensor(attempt, dtype=torch.int64)
+            return out
+        raise DatasetError(
+            f"sample {index}: {self.max_resample + 1} draws in a row failed to read (raise "
+            f"data.max_resample or repair the data); the last error: {error}"
+        ) from error
+
+
+class SegmentationSamples(_SampleDataset):
     """Random crops of EM with aligned binary targets and per-class validity masks.
 
     Item ``g`` is a dict: ``image`` (1, *crop), ``target`` and ``valid`` (K, *crop) float32,
-    ``index`` (the global sample index).
+    ``index`` (the global sample index) and ``resampled`` (replacements after read errors).
     """
 
     def __init__(
@@ -102,28 +265,33 @@ class SegmentationSamples(EMReaderMixin, Dataset):
         crop_size,
         seed: int,
         augment: bool = True,
+        *,
+        augmentation: AugmentParams | None = None,
+        planes: str = "z",
+        min_label_fraction: float = 1.0,
+        class_balanced: bool = False,
+        max_resample: int = 10,
     ):
+        super().__init__(voxel_size, crop_size, seed, augment, augmentation, planes, max_resample)
         self.sources = sources
         self.by_name = {s.name: s for s in sources}
         self.crops = crops
         self.classes = list(classes)
-        self.voxel_size = np.asarray(voxel_size, dtype=float)
-        self.ndim = len(crop_size)
-        self.shape = grid_shape(crop_size)
-        self.seed = seed
-        self.augment = augment
+        self.min_label_fraction = float(min_label_fraction)
+        self.class_balanced = bool(class_balanced)
         if not crops:
             raise DatasetError("no training crops left (check data.val_crops / data.val_fraction)")
+        check_class_names(self.classes, {k for s in sources for c in s.crops for k in c.classes}
+                          | {k for c in crops for k in c.classes})
+        # Training crops that annotate each class (itself or through its parts).
+        self._crops_with = [[i for i, c in enumerate(crops) if annotates(c, cls)]
+                            for cls in self.classes]
+        self._fg_cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
-    def __len__(self) -> int:
-        return 2**62  # indexed by global sample index; the sampler decides what is drawn
-
-    def _origin(self, rng: np.random.Generator, crop: LabelCrop, source: EMSource) -> np.ndarray:
-        """A random sample origin (nm) inside ``crop``, centred where the crop is too small."""
-        size = np.asarray(self.shape) * self.voxel_size
-        lo, hi = crop.box_min, crop.box_max - size
-        origin = np.where(hi >= lo, lo + rng.random(3) * np.maximum(hi - lo, 0), (lo + hi) / 2)
-        return grid_origin_snapped(self._em_level(source), self.voxel_size, origin)
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_fg_cache"] = OrderedDict()  # workers rebuild what they need
+        return state
 
     def read(self, crop: LabelCrop, origin, shape) -> dict[str, np.ndarray]:
         """EM, targets and validity of one box of the training grid (3D arrays)."""
@@ -132,56 +300,153 @@ class SegmentationSamples(EMReaderMixin, Dataset):
         target = np.zeros((len(self.classes), *shape), dtype=np.float32)
         valid = np.zeros_like(target)
         for k, cls in enumerate(self.classes):
-            if cls in crop.classes:
-                t, v = read_label_class(crop, cls, origin, self.voxel_size, shape)
-                target[k], valid[k] = t, v
+            target[k], valid[k] = read_target(crop, cls, origin, self.voxel_size, shape)
         return {"image": image[None], "target": target, "valid": valid}
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        rng = sample_rng(self.seed, index)
-        crop = self.crops[int(rng.integers(len(self.crops)))]
-        origin = self._origin(rng, crop, self.by_name[crop.dataset])
-        arrays = self.read(crop, origin, self.shape)
-        aug = _random_flips(rng, self.ndim) if self.augment else None
-        return _to_sample(arrays, aug, self.ndim, index)
+    # -- where ------------------------------------------------------------------------------------
+
+    def _uniform_origin(self, rng: np.random.Generator, crop: LabelCrop, box) -> np.ndarray:
+        lo, hi = self._range(crop.box_min, crop.box_max, box, self.min_label_fraction)
+        return lo + rng.random(3) * (hi - lo)
+
+    def foreground_points(self, crop_index: int, k: int) -> np.ndarray:
+        """World positions (nm, float32 (N, 3)) of up to FG_POINTS voxels where class ``k`` is
+        present in training crop ``crop_index``, on a grid FG_COARSENING times coarser than
+        the training grid. Computed on first use and kept in a small per-process cache; the
+        result depends only on the data, so eviction never changes a sample."""
+        key = (crop_index, k)
+        points = self._fg_cache.get(key)
+        if points is not None:
+            self._fg_cache.move_to_end(key)
+            return points
+        crop = self.crops[crop_index]
+        step = self.voxel_size * FG_COARSENING
+        shape = tuple(int(max(1, math.ceil(e / s - 1e-6)))
+                      for e, s in zip(crop.box_max - crop.box_min, step))
+        try:
+            target, valid = read_target(crop, self.classes[k], crop.box_min, step, shape)
+            idx = np.argwhere(target & valid)
+        except READ_ERRORS as e:  # this crop is not used for class k; the run goes on
+            logger.warning("foreground index of %s for class %s: %s; the crop is left out of "
+                           "class-balanced draws of that class", crop.full_name,
+                           self.classes[k], e)
+            idx = np.zeros((0, 3), np.int64)
+        if len(idx) > FG_POINTS:  # evenly spread, deterministic
+            idx = idx[np.linspace(0, len(idx) - 1, FG_POINTS).astype(np.int64)]
+        points = (crop.box_min + (idx + 0.5) * step).astype(np.float32)
+        self._fg_cache[key] = points
+        if len(self._fg_cache) > FG_CACHE:
+            self._fg_cache.popitem(last=False)
+        return points
+
+    def _balanced_location(self, rng: np.random.Generator, box) -> tuple[LabelCrop, np.ndarray]:
+        """A class uniformly, a training crop that annotates it and holds some of it, and a box
+        in that crop around one of its voxels."""
+        k = int(rng.integers(len(self.classes)))
+        candidates = self._crops_with[k]
+        if not candidates:  # annotated by no training crop (the loader refuses this)
+            crop = self.crops[int(rng.integers(len(self.crops)))]
+            return crop, self._uniform_origin(rng, crop, box)
+        order = rng.permutation(len(candidates))
+        points = np.zeros((0, 3), np.float32)
+        for j in order:
+            points = self.foreground_points(candidates[j], k)
+            if len(points):
+                crop = self.crops[candidates[j]]
+                break
+        else:  # the class is absent from every crop that annotates it
+            crop = self.crops[candidates[order[0]]]
+            return crop, self._uniform_origin(rng, crop, box)
+        p = points[int(rng.integers(len(points)))].astype(float)
+        size = np.asarray(box) * self.voxel_size
+        # p anywhere in the box; a plane (thin axis) goes through p.
+        u = np.where(np.asarray(box) == 1, 0.5, rng.random(3))
+        lo, hi = self._range(crop.box_min, crop.box_max, box, self.min_label_fraction)
+        return crop, np.clip(p - u * size, lo, hi)
+
+    # -- items ------------------------------------------------------------------------------------
+
+    def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        normal = self._draw_normal(rng)
+        box = self._box(normal)
+        if self.class_balanced:
+            crop, origin = self._balanced_location(rng, box)
+        else:
+            crop = self.crops[int(rng.integers(len(self.crops)))]
+            origin = self._uniform_origin(rng, crop, box)
+        level = self._em_level(self.by_name[crop.dataset])
+        origin = grid_origin_snapped(level, self.voxel_size, origin)
+        arrays, plan, vox = self._geometry(rng, level, origin, normal,
+                                           lambda o, s: self.read(crop, o, s))
+        return self._finish(arrays, plan, vox, rng)
 
 
-class MAESamples(EMReaderMixin, Dataset):
+class MAESamples(_SampleDataset):
     """Random EM crops anywhere inside the EM volumes (no labels needed).
 
     Item ``g``: ``image`` (1, *crop), ``valid`` (1, *crop) (0 where the crop leaves the
-    volume: padding, excluded from the loss), ``index``, and with ``num_patches`` > 0 the
-    MAE masking ``noise`` (num_patches,), drawn from the sample's own generator.
+    volume: padding, excluded from the loss), ``index``, ``resampled``, and with
+    ``num_patches`` > 0 the MAE masking ``noise`` (num_patches,), drawn from the sample's own
+    generator. With ``foreground_threshold`` > 0 the place is redrawn (from the same generator,
+    up to FOREGROUND_DRAWS times, keeping the best) until that fraction of the EM is non-zero.
     """
 
     def __init__(self, sources: list[EMSource], voxel_size, crop_size, seed: int,
-                 augment: bool = True, num_patches: int = 0):
+                 augment: bool = True, num_patches: int = 0, *,
+                 augmentation: AugmentParams | None = None, planes: str = "z",
+                 foreground_threshold: float = 0.0, max_resample: int = 10):
+        super().__init__(voxel_size, crop_size, seed, augment, augmentation, planes, max_resample)
         self.sources = sources
         self.num_patches = num_patches
-        self.voxel_size = np.asarray(voxel_size, dtype=float)
-        self.ndim = len(crop_size)
-        self.shape = grid_shape(crop_size)
-        self.seed = seed
-        self.augment = augment
+        self.foreground_threshold = float(foreground_threshold)
 
-    def __len__(self) -> int:
-        return 2**62
+    def _read(self, source: EMSource, origin, shape) -> dict[str, np.ndarray]:
+        image, inside = self.read_em(source, origin, shape)
+        return {"image": image[None], "valid": inside[None].astype(np.float32)}
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        rng = sample_rng(self.seed, index)
+    def _draw_once(self, rng: np.random.Generator):
+        normal = self._draw_normal(rng)
+        box = self._box(normal)
         source = self.sources[int(rng.integers(len(self.sources)))]
         level = self._em_level(source)
-        size = np.asarray(self.shape) * self.voxel_size
-        lo, hi = level.box_min, level.box_max - size
-        origin = np.where(hi >= lo, lo + rng.random(3) * np.maximum(hi - lo, 0), (lo + hi) / 2)
-        origin = grid_origin_snapped(level, self.voxel_size, origin)
-        image, inside = self.read_em(source, origin, self.shape)
-        arrays = {"image": image[None], "valid": inside[None].astype(np.float32)}
-        aug = _random_flips(rng, self.ndim) if self.augment else None
-        out = _to_sample(arrays, aug, self.ndim, index)
+        lo, hi = self._range(level.box_min, level.box_max, box)
+        origin = grid_origin_snapped(level, self.voxel_size, lo + rng.random(3) * (hi - lo))
+        return self._geometry(rng, level, origin, normal, lambda o, s: self._read(source, o, s))
+
+    def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        drawn = self._draw_once(rng)
+        if self.foreground_threshold > 0:
+            best, best_fraction = drawn, foreground_fraction(drawn[0]["image"])
+            for _ in range(FOREGROUND_DRAWS - 1):
+                if best_fraction >= self.foreground_threshold:
+                    break
+                drawn = self._draw_once(rng)
+                fraction = foreground_fraction(drawn[0]["image"])
+                if fraction > best_fraction:
+                    best, best_fraction = drawn, fraction
+            drawn = best
+        out = self._finish(*drawn, rng)
         if self.num_patches:
             out["noise"] = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
         return out
+
+
+def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
+    """Constructor keywords of :class:`SegmentationSamples` (``kind='segmentation'``) or
+    :class:`MAESamples` (``kind='mae'``) from a JobConfig's ``data`` and ``augmentation``."""
+    kwargs = {
+        "augmentation": AugmentParams.from_config(cfg.augmentation),
+        "planes": cfg.data.planes,
+        "max_resample": cfg.data.max_resample,
+    }
+    if kind == "segmentation":
+        kwargs.update(min_label_fraction=cfg.data.min_label_fraction,
+                      class_balanced=cfg.data.class_balanced)
+    elif kind == "mae":
+        kwargs.update(foreground_threshold=cfg.data.foreground_threshold)
+    else:
+        raise ValueError(f"kind must be 'segmentation' or 'mae', got {kind!r}")
+    return kwargs
 
 
 def crop_grid(crop: LabelCrop, voxel_size) -> tuple[np.ndarray, tuple[int, int, int]]:

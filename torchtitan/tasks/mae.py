@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan.datasets.cellmap import discover
-from torchtitan.datasets.loader import build_mae_samples
+from torchtitan.datasets.loader import build_mae_samples, load_em_sources
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.common import check_backbone
@@ -38,15 +37,16 @@ class MAETask:
 
     def prepare(self) -> None:
         check_backbone(self.cfg)
-        self.sources = discover(self.cfg.data.dataset_path)
+        self.sources = load_em_sources(self.cfg)
         logger.info("MAE data: %d EM volumes (%s)", len(self.sources),
                     ", ".join(s.name for s in self.sources))
 
     def num_patches(self) -> int:
         return math.prod(c // self.cfg.model.patch_size for c in self.cfg.model.crop_size)
 
-    def train_dataset(self, seed_offset: int = 0):
-        return build_mae_samples(self.cfg, self.sources, seed_offset, num_patches=self.num_patches())
+    def train_dataset(self, seed_offset: int = 0, augment: bool = True):
+        return build_mae_samples(self.cfg, self.sources, seed_offset,
+                                 num_patches=self.num_patches(), augment=augment)
 
     def build_model(self) -> MaskedAutoencoder:
         m = self.cfg.model
@@ -97,7 +97,7 @@ class MAETask:
         (so sharded models run the same number of forwards everywhere)."""
         dp, rank = trainer.dims.dp_degree, trainer.dp_rank
         n = -(-VAL_SAMPLES // dp) * dp
-        data = self.train_dataset(VAL_SEED_OFFSET)
+        data = self.train_dataset(VAL_SEED_OFFSET, augment=False)
         indices = list(range(n))[rank::dp]
         bs = max(1, self.cfg.training.batch_size // dp)
         total = torch.zeros(2, dtype=torch.float64)

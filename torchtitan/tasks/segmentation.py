@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
 from torchtitan.datasets.samples import crop_grid
+from torchtitan.datasets.slices import build_slice_samples, load_slice_data
+from torchtitan.datasets.targets import annotates
 from torchtitan.evaluation import combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume
 from torchtitan.models import (
@@ -37,12 +39,17 @@ class SegmentationTask:
 
     def prepare(self) -> None:
         check_backbone(self.cfg)
+        if self.cfg.data.dataset_name:  # 2D slices (helpers/create_slice_dataset.py); it logs
+            self.slices, self.train_crops, self.val_crops = load_slice_data(self.cfg)
+            return
         self.sources, self.train_crops, self.val_crops = load_segmentation_data(self.cfg)
         logger.info("segmentation data: %d datasets, %d training crops, %d validation crops (%s)",
                     len(self.sources), len(self.train_crops), len(self.val_crops),
                     ", ".join(c.full_name for c in self.val_crops) or "none")
 
     def train_dataset(self):
+        if self.cfg.data.dataset_name:  # its read() stacks held-out crops for validation too
+            return build_slice_samples(self.cfg, self.slices, self.train_crops)
         return build_segmentation_samples(self.cfg, self.sources, self.train_crops)
 
     # -- model ----------------------------------------------------------------------------------
@@ -106,7 +113,7 @@ class SegmentationTask:
                                   voxel_size=cfg.data.voxel_size)
             pred = (prob > inf.threshold).numpy()
             target, valid = vol["target"].numpy(), vol["valid"].numpy()
-            annotated = [k for k, name in enumerate(classes) if name in crop.classes]
+            annotated = [k for k, name in enumerate(classes) if annotates(crop, name)]
             per_crop.append(score_crop(
                 {classes[k]: pred[k] for k in annotated}, {classes[k]: target[k] for k in annotated},
                 {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))

@@ -1,0 +1,452 @@
+"""Targets of nested classes, class-balanced sampling, augmentations and robust reading.
+
+Every test writes its own small zarr store (CellMap layout, OME-NGFF 0.4 metadata).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.ndimage as ndi
+import torch
+import zarr
+
+from torchtitan.datasets.augment import AugmentParams
+from torchtitan.datasets.cellmap import DatasetError, discover
+from torchtitan.datasets.classes import (
+    CLASS_PARTS,
+    INSTANCE_CLASSES,
+    atoms,
+    check_class_names,
+)
+from torchtitan.datasets.samples import MAESamples, SegmentationSamples, samples_kwargs
+from torchtitan.datasets.targets import annotates, read_instance_ids, read_target, target_groups
+
+EM_GROUP = "recon-1/em/fibsem-uint8"
+GT = "recon-1/labels/groundtruth"
+
+
+def write_group(path: Path, data: np.ndarray, scale, translation=None, chunks=16, attrs=None):
+    """One OME-NGFF multiscale group with a single level ``s0`` (zarr format 2)."""
+    scale = [float(s) for s in scale]
+    translation = [s / 2 for s in scale] if translation is None else [float(t) for t in translation]
+    g = zarr.open_group(str(path), mode="w", zarr_format=2)
+    g.create_array("s0", data=data, chunks=tuple(min(chunks, n) for n in data.shape))
+    g.attrs["multiscales"] = [{
+        "version": "0.4", "name": path.name,
+        "axes": [{"name": n, "type": "space", "unit": "nanometer"} for n in "zyx"],
+        "datasets": [{"path": "s0", "coordinateTransformations": [
+            {"type": "scale", "scale": scale},
+            {"type": "translation", "translation": translation}]}],
+    }]
+    if attrs:
+        g.attrs.update(attrs)
+
+
+def write_labels(store: Path, crop: str, labels: dict[str, np.ndarray], scale,
+                 corner_voxel=(0, 0, 0), chunks=16):
+    """Label groups of one crop on a grid of ``scale`` whose voxel 0 is at ``corner_voxel``."""
+    translation = [(c + 0.5) * s for c, s in zip(corner_voxel, scale)]
+    enc = {"cellmap": {"annotation": {"annotation_type": {
+        "encoding": {"absent": 0, "present": 1, "unknown": 255}, "type": "semantic_segmentation"}}}}
+    for name, data in labels.items():
+        write_group(store / GT / crop / name, data.astype(np.uint8), scale, translation, chunks,
+                    attrs=enc)
+
+
+def make_store(root: Path, em: np.ndarray, scale=(8, 8, 8), name="jrc_t-1", chunks=16) -> Path:
+    store = root / name / f"{name}.zarr"
+    write_group(store / EM_GROUP, em.astype(np.uint8), scale, chunks=chunks)
+    return store
+
+
+def ball(shape, centre, radius) -> np.ndarray:
+    grid = np.indices(shape)
+    return sum((g - c) ** 2 for g, c in zip(grid, centre)) <= radius**2
+
+
+def smooth_em(shape, seed=0, sigma=3.0) -> np.ndarray:
+    """A smooth random uint8 image: blobs a few voxels across, about half above 127.5."""
+    noise = ndi.gaussian_filter(np.random.default_rng(seed).standard_normal(shape), sigma)
+    return np.clip(128 + noise / noise.std() * 60, 0, 255).astype(np.uint8)
+
+
+def blocky_em(shape, block=6, seed=1) -> np.ndarray:
+    """Random blocks of two grey levels (60, 190): linear interpolation crosses their midpoint
+    (125) where nearest-neighbour sampling switches, except near block corners."""
+    bits = np.random.default_rng(seed).random([-(-n // block) for n in shape]) < 0.5
+    full = np.kron(bits, np.ones((block,) * 3, bool))[: shape[0], : shape[1], : shape[2]]
+    return np.where(full, 190, 60).astype(np.uint8)
+
+
+def present(item) -> np.ndarray:
+    """Per class: does the sample hold any valid foreground voxel?"""
+    return ((item["target"] * item["valid"]).flatten(1).amax(1) > 0).numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Classes and targets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_class_table_and_name_check():
+    assert CLASS_PARTS["mito"] == ("mito_mem", "mito_lum", "mito_ribo")
+    assert {"ne_mem", "nucpl", "hchrom", "nucleo"} <= set(CLASS_PARTS["nuc"])
+    assert "pm" in atoms("cell") and "ecs" not in atoms("cell") and "mito_lum" in atoms("cell")
+    assert atoms("mito_mem") == {"mito_mem"}
+    from torchtitan.evaluation import INSTANCE_CLASSES as EVAL_INSTANCE
+
+    assert INSTANCE_CLASSES == EVAL_INSTANCE
+    check_class_names(["mito", "er", "cell"])
+    check_class_names(["my_class"], extra=["my_class"])
+    with pytest.raises(DatasetError, match="'mitto'.*did you mean 'mito'"):
+        check_class_names(["nuc", "mitto"])
+
+
+@pytest.fixture()
+def nested(tmp_path):
+    """Crop 1 annotates mito only through its parts (with an unknown slab in mito_lum) and er
+    through er_mem, er_lum, eres and ne; crop 2 lacks mito_ribo; crop 3 stores mito as ids."""
+    shape = (8, 16, 16)
+    store = make_store(tmp_path, np.full(shape, 100))
+    mem = np.zeros(shape, np.uint8)
+    mem[:, 2:4] = 1
+    lum = np.zeros(shape, np.uint8)
+    lum[:, 4:8] = 1
+    lum[:, :, 12:] = 255  # unknown slab
+    ribo = np.zeros(shape, np.uint8)
+    ribo[:, 8] = 1
+    er_parts = {n: np.zeros(shape, np.uint8) for n in ("er_mem", "er_lum", "eres", "ne")}
+    er_parts["ne"][:, 14:] = 1
+    er_parts["eres"][2, 2, 2] = 1
+    write_labels(store, "crop1", {"mito_mem": mem, "mito_lum": lum, "mito_ribo": ribo, **er_parts},
+                 (8, 8, 8))
+    write_labels(store, "crop2", {"mito_mem": mem, "mito_lum": lum}, (8, 8, 8))
+    ids = np.zeros(shape, np.uint8)
+    ids[:, 1:3, 1:3] = 5
+    ids[:, 10:12, 10:12] = 7
+    ids[0] = 255
+    write_labels(store, "crop3", {"mito": ids}, (8, 8, 8))
+    (src,) = discover(tmp_path)
+    return src, {"mem": mem, "lum": lum, "ribo": ribo, "ids": ids}
+
+
+def test_nested_classes_are_composed_from_their_parts(nested):
+    src, lab = nested
+    crop1, crop2, _ = src.crops
+    origin, shape, vox = np.zeros(3), (8, 16, 16), (8.0, 8.0, 8.0)
+    assert target_groups(crop1, "mito") == ("mito_lum", "mito_mem", "mito_ribo")
+    t, v = read_target(crop1, "mito", origin, vox, shape)
+    union = (lab["mem"] == 1) | (lab["lum"] == 1) | (lab["ribo"] == 1)
+    np.testing.assert_array_equal(t, union)
+    # Valid where every part is known, and wherever some part is present.
+    np.testing.assert_array_equal(v, (lab["lum"] != 255) | union)
+    assert not v[:, 0, 12:].any() and v[:, 2, 12:].all()
+    # er = er_mem + er_lum + eres + ne (composite groups count when made only of er's parts).
+    assert set(target_groups(crop1, "er")) == {"ne", "eres", "er_mem", "er_lum"}
+    t, v = read_target(crop1, "er", origin, vox, shape)
+    assert v.all() and t[:, 14:].all() and t[2, 2, 2] and t.sum() == 8 * 2 * 16 + 1
+    # crop2 lacks mito_ribo: mito is not annotated there (invalid everywhere).
+    assert not annotates(crop2, "mito") and annotates(crop2, "mito_mem")
+    t, v = read_target(crop2, "mito", origin, vox, shape)
+    assert not t.any() and not v.any()
+
+
+def test_unannotated_classes_and_unknown_voxels_are_masked(nested):
+    src, lab = nested
+    ds = SegmentationSamples([src], src.crops[:2], ["mito_lum", "nuc", "mito"], (8, 8, 8), (8, 8),
+                             seed=0, augment=False)
+    arrays = ds.read(src.crops[0], np.zeros(3), (8, 16, 16))
+    assert not arrays["valid"][1].any()  # nuc: no group, no parts
+    np.testing.assert_array_equal(arrays["valid"][0], lab["lum"] != 255)
+    np.testing.assert_array_equal(arrays["target"][0], lab["lum"] == 1)
+    # Outside the crop (box half outside): invalid.
+    arrays = ds.read(src.crops[0], np.array([0.0, 64.0, 0.0]), (8, 16, 16))
+    assert arrays["valid"][0, :, :8].any() and not arrays["valid"][0, :, 8:].any()
+
+
+def test_instance_ids_give_binary_targets_and_ids(nested):
+    src, lab = nested
+    crop3 = src.crops[2]
+    origin, shape, vox = np.zeros(3), (8, 16, 16), (8.0, 8.0, 8.0)
+    t, v = read_target(crop3, "mito", origin, vox, shape)
+    np.testing.assert_array_equal(v, lab["ids"] != 255)
+    np.testing.assert_array_equal(t, (lab["ids"] != 0) & (lab["ids"] != 255))
+    ids = read_instance_ids(crop3, "mito", origin, vox, shape)
+    assert ids.dtype == np.int64 and set(np.unique(ids)) == {0, 5, 7}
+    assert not ids[0].any()  # unknown reads as 0
+    assert read_instance_ids(src.crops[0], "mito", origin, vox, shape) is None  # parts only
+    from torchtitan.evaluation import label_instances
+
+    assert label_instances(ids)[1] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Class-balanced sampling
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def rare(tmp_path):
+    """A big nucleus, two mitochondria and one small lipid droplet, far apart; a second crop
+    annotates mitochondria only through their parts."""
+    shape = (24, 96, 96)
+    store = make_store(tmp_path, smooth_em(shape), chunks=64)
+    nuc = ball(shape, (12, 30, 30), 26)
+    mito = np.zeros(shape, bool)
+    for y in (20, 44):
+        mito[:, y - 4:y + 4, 74:82] = True
+    ld = ball(shape, (12, 80, 20), 4)
+    write_labels(store, "crop1", {"nuc": nuc, "mito": mito, "ld": ld}, (8, 8, 8), chunks=64)
+    parts = {"mito_mem": mito & ~ndi.binary_erosion(mito), "mito_lum": ndi.binary_erosion(mito),
+             "mito_ribo": np.zeros(shape, bool)}
+    write_labels(store, "crop2", parts, (8, 8, 8), chunks=64)
+    return discover(tmp_path)
+
+
+def _presence(ds, n: int) -> np.ndarray:
+    """How often each class is present in samples 0..n-1, relative to the mean over classes."""
+    counts = sum(present(ds[g]) for g in range(n))
+    return counts / counts.mean()
+
+
+def test_class_balanced_sampling_is_near_uniform(rare):
+    (src,) = rare
+    classes = ["nuc", "mito", "ld"]
+
+    def samples(crop_size, balanced):
+        return SegmentationSamples([src], src.crops, classes, (8, 8, 8), crop_size, seed=0,
+                                   class_balanced=balanced)
+
+    balanced = _presence(samples((16, 16), True), 400)
+    assert np.all(np.abs(balanced - 1) < 0.2), balanced
+    unbalanced = _presence(samples((16, 16), False), 200)
+    assert unbalanced[2] < 0.2, unbalanced  # without balancing ld is rare
+    balanced_3d = _presence(samples((4, 16, 16), True), 120)
+    assert np.all(np.abs(balanced_3d - 1) < 0.3), balanced_3d
+
+
+def test_foreground_index_is_small_and_picklable(rare):
+    (src,) = rare
+    ds = SegmentationSamples([src], src.crops, ["mito", "ld"], (8, 8, 8), (16, 16), seed=0,
+                             class_balanced=True)
+    points = ds.foreground_points(1, 0)  # crop2: mito from its parts
+    assert 0 < len(points) <= 2048 and points.dtype == np.float32
+    assert len(ds.foreground_points(1, 1)) == 0  # crop2 does not annotate ld
+    first = [ds[g] for g in range(5)]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone._fg_cache  # the cache does not travel to workers
+    for a, g in zip(first, range(5)):
+        b = clone[g]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Augmentations
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def em_labels(tmp_path):
+    """Label ``mito`` = EM > 125 on the EM grid, in a crop inside the volume."""
+    shape = (40, 72, 72)
+    em = blocky_em(shape)
+    store = make_store(tmp_path, em)
+    lo, hi = (4, 8, 8), (36, 64, 64)
+    fg = em[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]] > 125
+    write_labels(store, "crop1", {"mito": fg}, (8, 8, 8), corner_voxel=lo)
+    return discover(tmp_path)
+
+
+EM_MIDPOINT = 125 / 127.5 - 1  # normalised grey level between the two block values
+
+
+def _mismatch(item) -> float:
+    """Fraction of valid voxels where the label disagrees with the EM's block value. Linear
+    (EM) and nearest (labels) resampling disagree only near block corners, well below 1%;
+    labels one voxel off the EM would disagree on several percent."""
+    valid = item["valid"][0] > 0
+    assert valid.float().mean() > 0.3
+    disagree = (item["image"][0] > EM_MIDPOINT) != (item["target"][0] > 0)
+    return float(disagree[valid].float().mean())
+
+
+GEOMETRIC = {  # augmentation, tolerated mean mismatch
+    "flips": (AugmentParams(), 0.0),
+    "rot90": (AugmentParams(rot90=True), 0.0),
+    "rotate": (AugmentParams(flips=False, rotate_deg=45), 0.01),
+    "zoom": (AugmentParams(flips=False, scale=0.3), 0.01),
+    "all": (AugmentParams(rot90=True, rotate_deg=180, scale=0.3), 0.01),
+}
+
+
+@pytest.mark.parametrize("name", list(GEOMETRIC))
+@pytest.mark.parametrize("crop_size,planes",
+                         [((24, 24), "z"), ((24, 24), "zyx"), ((12, 12, 12), "z")])
+def test_geometric_augmentations_move_em_and_labels_alike(em_labels, name, crop_size, planes):
+    (src,) = em_labels
+    params, tolerance = GEOMETRIC[name]
+    ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=2,
+                             augmentation=params, planes=planes)
+    plain = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=2,
+                                augment=False, planes=planes)
+    changed, mismatch = 0, []
+    for g in range(12):
+        item = ds[g]
+        assert item["image"].shape == (1, *crop_size) == item["target"].shape
+        mismatch.append(_mismatch(item))
+        changed += not torch.equal(item["image"], plain[g]["image"])
+    assert np.mean(mismatch) <= tolerance and max(mismatch) <= 3 * tolerance + 0.01, mismatch
+    assert changed >= 6  # the augmentation did something
+
+
+def test_anisotropic_rotation_about_z_keeps_alignment(tmp_path):
+    shape = (20, 72, 72)
+    em = blocky_em(shape, seed=3)
+    store = make_store(tmp_path, em, scale=(16, 8, 8))
+    write_labels(store, "crop1", {"mito": em > 125}, (16, 8, 8))
+    (src,) = discover(tmp_path)
+    ds = SegmentationSamples([src], src.crops, ["mito"], (16, 8, 8), (6, 24, 24), seed=0,
+                             augmentation=AugmentParams(rot90=True, rotate_deg=90, scale=0.2))
+    assert np.mean([_mismatch(ds[g]) for g in range(8)]) <= 0.01
+
+
+def test_intensity_augmentations_touch_em_only(em_labels):
+    (src,) = em_labels
+    geometric = AugmentParams(rot90=True, rotate_deg=30)
+    both = AugmentParams(rot90=True, rotate_deg=30, contrast=0.3, gamma=0.3, noise_std=0.1,
+                         blur_sigma=1.5)
+    a = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (24, 24), 0,
+                            augmentation=geometric)
+    b = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (24, 24), 0,
+                            augmentation=both)
+    for g in range(6):
+        x, y = a[g], b[g]
+        assert torch.equal(x["target"], y["target"]) and torch.equal(x["valid"], y["valid"])
+        assert not torch.allclose(x["image"], y["image"], atol=1e-3)
+
+
+def test_zyx_planes_cut_every_orientation(tmp_path):
+    z = np.arange(32)[:, None, None]
+    store = make_store(tmp_path, np.broadcast_to(z * 7, (32, 40, 40)))  # EM varies along z only
+    write_labels(store, "crop1", {"mito": np.ones((32, 40, 40))}, (8, 8, 8))
+    (src,) = discover(tmp_path)
+    ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0,
+                             augmentation=AugmentParams(flips=False), planes="zyx")
+    flat = 0
+    for g in range(60):
+        img = ds[g]["image"][0]
+        if torch.all(img == img[0, 0]):
+            flat += 1  # a y-x plane
+        else:  # a z-x or z-y plane: varies along its first axis only
+            assert torch.all(img == img[:, :1])
+    assert 10 <= flat <= 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism, min_label_fraction, MAE foreground, corrupt chunks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_samples_depend_only_on_seed_and_index(rare):
+    (src,) = rare
+    kwargs = dict(augmentation=AugmentParams(rot90=True, rotate_deg=20, scale=0.1, contrast=0.2,
+                                             noise_std=0.05, blur_sigma=1.0),
+                  class_balanced=True, min_label_fraction=0.5, planes="zyx")
+    a = SegmentationSamples([src], src.crops, ["nuc", "ld"], (8, 8, 8), (16, 16), 4, **kwargs)
+    b = SegmentationSamples([src], src.crops, ["nuc", "ld"], (8, 8, 8), (16, 16), 4, **kwargs)
+    order = [7, 3, 11, 3, 0]
+    first = {g: a[g] for g in order}
+    for g in reversed(order):  # another instance, another order: same samples
+        assert all(torch.equal(first[g][k], b[g][k]) for k in first[g])
+    assert not torch.equal(first[7]["image"], first[11]["image"])
+    c = SegmentationSamples([src], src.crops, ["nuc", "ld"], (8, 8, 8), (16, 16), 5, **kwargs)
+    assert not torch.equal(first[7]["image"], c[7]["image"])
+
+
+def test_min_label_fraction_lets_samples_leave_the_crop(tmp_path):
+    store = make_store(tmp_path, np.full((16, 96, 96), 120))
+    write_labels(store, "crop1", {"mito": np.zeros((8, 32, 32))}, (8, 8, 8),
+                 corner_voxel=(4, 32, 32))
+    write_labels(store, "crop2", {"mito": np.zeros((8, 16, 32))}, (8, 8, 8),
+                 corner_voxel=(4, 8, 60))
+    src, = discover(tmp_path)
+    crop1, crop2 = src.crops
+    fractions = []
+    ds = SegmentationSamples([src], [crop1], ["mito"], (8, 8, 8), (24, 24), 0,
+                             min_label_fraction=0.5)
+    for g in range(40):
+        item = ds[g]
+        fractions.append(float(item["valid"].mean()))
+        assert torch.all(item["image"] > -0.1)  # EM context is real, not padding
+    assert min(fractions) >= 0.5 - 1e-6 and sum(f < 1 for f in fractions) > 20
+    full = SegmentationSamples([src], [crop1], ["mito"], (8, 8, 8), (24, 24), 0)
+    assert all(bool(full[g]["valid"].all()) for g in range(10))
+    # A crop narrower than the sample (16 < 24 rows): centred, as before.
+    small = SegmentationSamples([src], [crop2], ["mito"], (8, 8, 8), (24, 24), 0, augment=False)
+    valid = small[0]["valid"][0]
+    assert valid[4:20].all() and not valid[:4].any() and not valid[20:].any()
+
+
+def test_mae_foreground_threshold(tmp_path):
+    em = np.zeros((16, 64, 64), np.uint8)
+    em[:, :, 40:] = 150  # 3/8 of the volume is non-zero
+    make_store(tmp_path, em)
+    sources = discover(tmp_path)
+    plain = MAESamples(sources, (8, 8, 8), (16, 16), seed=0)
+    fg = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, foreground_threshold=0.9, num_patches=4)
+
+    def fraction(item):
+        return float((item["image"] > -0.99).float().mean())
+
+    assert sum(fraction(plain[g]) < 0.9 for g in range(20)) > 8
+    for g in range(20):
+        item = fg[g]
+        assert fraction(item) >= 0.9 and item["noise"].shape == (4,)
+        assert torch.equal(item["image"], fg[g]["image"])
+
+
+def _corrupt(path: Path) -> None:
+    path.write_bytes(b"\x00 not a compressed chunk \x00" * 4)
+
+
+@pytest.mark.parametrize("what", ["em", "labels"])
+def test_corrupt_chunk_is_replaced_and_counted(tmp_path, caplog, what):
+    store = make_store(tmp_path, smooth_em((16, 64, 64)))
+    write_labels(store, "crop1", {"mito": np.ones((16, 64, 64))}, (8, 8, 8))
+    bad = store / (EM_GROUP if what == "em" else f"{GT}/crop1/mito") / "s0" / "0.0.0"
+    assert bad.is_file()
+    _corrupt(bad)
+    (src,) = discover(tmp_path)
+    ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0)
+    caplog.set_level(logging.WARNING)
+    resampled = [int(ds[g]["resampled"]) for g in range(40)]
+    assert sum(r > 0 for r in resampled) >= 3
+    assert str(bad.parent) in caplog.text and "replacement" in caplog.text
+    hit = resampled.index(max(resampled))
+    assert torch.equal(ds[hit]["image"], ds[hit]["image"])  # still deterministic
+    strict = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0,
+                                 max_resample=0)
+    with pytest.raises(DatasetError, match="failed to read"):
+        strict[hit]
+    mae = MAESamples([src], (8, 8, 8), (16, 16), seed=0, max_resample=3)
+    if what == "em":
+        assert any(int(mae[g]["resampled"]) for g in range(40))
+
+
+def test_samples_kwargs_from_config():
+    from torchtitan.config_manager import ConfigManager
+
+    cfg = ConfigManager().parse_args([
+        "--job.config_file", "train_configs/debug_segmentation_2d.toml",
+        "--data.class_balanced", "true", "--data.min_label_fraction", "0.6",
+        "--augmentation.rotate_deg", "15", "--data.max_resample", "3"])
+    seg = samples_kwargs(cfg, "segmentation")
+    assert seg["class_balanced"] is True and seg["min_label_fraction"] == 0.6
+    assert seg["augmentation"].rotate_deg == 15 and seg["max_resample"] == 3
+    mae = samples_kwargs(cfg, "mae")
+    assert set(mae) == {"augmentation", "planes", "max_resample", "foreground_threshold"}

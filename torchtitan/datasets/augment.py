@@ -1,0 +1,180 @@
+"""Training augmentations: geometric ones applied alike to EM, targets and validity masks,
+intensity ones to EM only. Every parameter is drawn from the sample's own generator.
+
+Arrays here are (C, *spatial) in the sample's frame: (C, H, W) for 2D samples (whatever
+plane they were cut from) and (C, D, H, W) for 3D. ``vox`` is the frame's voxel size in nm.
+
+Geometry, in the order applied:
+
+* rotation by up to ``rotate_deg`` about the frame's normal (2D) or about z (3D) and an
+  isotropic zoom in [1 - scale, 1 + scale], both in physical units, so that anisotropic voxels
+  stay correct. They resample a larger box read around the sample (see :func:`read_shape`):
+  linear interpolation for EM, nearest for targets and validity;
+* 90 degree rotations in every plane whose two axes have equal voxel size and sample size;
+* flips of every axis, then a y/x transpose (only where y and x are isotropic and square).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.ndimage as ndi
+
+
+@dataclass(frozen=True)
+class AugmentParams:
+    """Which augmentations are on and how strong (the ``[augmentation]`` config section)."""
+
+    flips: bool = True
+    rot90: bool = False
+    rotate_deg: float = 0.0
+    scale: float = 0.0
+    contrast: float = 0.0
+    gamma: float = 0.0
+    noise_std: float = 0.0
+    blur_sigma: float = 0.0
+
+    @classmethod
+    def from_config(cls, section) -> "AugmentParams":
+        return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__})
+
+    @property
+    def intensity(self) -> bool:
+        """Whether any intensity augmentation is on."""
+        return self.contrast > 0 or self.gamma > 0 or self.noise_std > 0 or self.blur_sigma > 0
+
+
+NO_AUGMENTATION = AugmentParams(flips=False)
+
+
+@dataclass
+class Plan:
+    """Everything drawn for one sample's augmentation."""
+
+    flip: list[bool] = field(default_factory=list)
+    swap: bool = False
+    rot90: list[tuple[tuple[int, int], int]] = field(default_factory=list)  # (axes, k)
+    angle: float = 0.0  # radians
+    zoom: float = 1.0
+    contrast: float = 1.0
+    gamma: float = 1.0
+    blur: float = 0.0  # sigma in voxels of the finest axis
+
+
+def _isotropic_pairs(shape, vox) -> list[tuple[int, int]]:
+    n = len(shape)
+    return [(a, b) for a in range(n) for b in range(a + 1, n)
+            if shape[a] == shape[b] and math.isclose(vox[a], vox[b], rel_tol=1e-6)]
+
+
+def draw_plan(rng: np.random.Generator, params: AugmentParams, shape, vox) -> Plan:
+    """Draw one sample's augmentation. Flips come first and draw exactly what the earlier
+    flips-only pipeline drew, so default settings reproduce its samples."""
+    ndim = len(shape)
+    plan = Plan()
+    if params.flips:
+        plan.flip = [bool(f) for f in rng.random(ndim) < 0.5]
+        swap = bool(rng.random() < 0.5)
+        plan.swap = swap and (ndim - 2, ndim - 1) in _isotropic_pairs(shape, vox)
+    if params.rot90:
+        plan.rot90 = [(axes, int(rng.integers(4))) for axes in _isotropic_pairs(shape, vox)]
+    if params.rotate_deg > 0:
+        plan.angle = math.radians(float(rng.uniform(-params.rotate_deg, params.rotate_deg)))
+    if params.scale > 0:
+        plan.zoom = float(rng.uniform(1 - params.scale, 1 + params.scale))
+    if params.contrast > 0:
+        plan.contrast = float(rng.uniform(1 - params.contrast, 1 + params.contrast))
+    if params.gamma > 0:
+        plan.gamma = float(rng.uniform(1 - params.gamma, 1 + params.gamma))
+    if params.blur_sigma > 0:
+        plan.blur = float(rng.uniform(0, params.blur_sigma))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotation and zoom by resampling
+# ---------------------------------------------------------------------------------------------
+
+
+def resample_matrix(plan: Plan, vox) -> np.ndarray | None:
+    """The matrix that maps an output voxel offset (from the sample centre) to the input voxel
+    offset it samples, or None when the plan neither rotates nor zooms.
+
+    In physical units an output offset ``d`` reads the input at ``R d / zoom`` (R: rotation
+    about the normal in 2D, about z in 3D); in voxel units that is ``V^-1 R V / zoom``.
+    """
+    if plan.angle == 0.0 and plan.zoom == 1.0:
+        return None
+    vox = np.asarray(vox, dtype=float)
+    ndim = len(vox)
+    a, b = ndim - 2, ndim - 1  # the rotated plane: the 2D plane, or y-x in 3D
+    rot = np.eye(ndim)
+    c, s = math.cos(plan.angle), math.sin(plan.angle)
+    rot[a, a], rot[a, b], rot[b, a], rot[b, b] = c, -s, s, c
+    return (rot / plan.zoom) * vox[None, :] / vox[:, None]
+
+
+def read_shape(shape, matrix: np.ndarray) -> tuple[int, ...]:
+    """Shape of the box to read, centred on the sample, that holds every input voxel the
+    resampling touches (with one voxel to spare on each side for interpolation)."""
+    half = (np.asarray(shape, dtype=float) - 1) / 2  # output extent, voxels from the centre
+    reach = np.abs(matrix) @ half  # input extent, voxels from the centre
+    return tuple(int(2 * math.ceil(r + 1e-6) + 3) for r in reach)
+
+
+def resample(arr: np.ndarray, matrix: np.ndarray, shape, shift, order: int,
+             cval: float) -> np.ndarray:
+    """Resample every channel of ``arr`` (C, *in_shape) onto ``shape``.
+
+    Output voxel ``i`` reads input position ``matrix @ (i - centre_out) + centre_in + shift``
+    (``shift``: the output centre minus the input centre, in input voxels).
+    """
+    centre_out = (np.asarray(shape, dtype=float) - 1) / 2
+    centre_in = (np.asarray(arr.shape[1:], dtype=float) - 1) / 2
+    offset = centre_in + np.asarray(shift, dtype=float) - matrix @ centre_out
+    out = np.empty((arr.shape[0], *shape), dtype=np.float32)
+    for c in range(arr.shape[0]):
+        ndi.affine_transform(arr[c].astype(np.float32, copy=False), matrix, offset=offset,
+                             output_shape=tuple(shape), output=out[c], order=order,
+                             mode="constant", cval=cval, prefilter=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape-preserving geometry and intensity
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_flips(arr: np.ndarray, plan: Plan) -> np.ndarray:
+    """90 degree rotations, flips and the y/x transpose of an array (C, *spatial)."""
+    for (a, b), k in plan.rot90:
+        if k:
+            arr = np.rot90(arr, k, axes=(1 + a, 1 + b))
+    for ax, f in enumerate(plan.flip):
+        if f:
+            arr = np.flip(arr, axis=1 + ax)
+    if plan.swap:
+        arr = np.swapaxes(arr, -1, -2)
+    return np.ascontiguousarray(arr)
+
+
+def apply_intensity(img: np.ndarray, plan: Plan, params: AugmentParams,
+                    rng: np.random.Generator, vox) -> np.ndarray:
+    """Gamma, contrast, blur and additive noise on normalised EM (C, *spatial) in [-1, 1]."""
+    img = img.astype(np.float32, copy=True)
+    if plan.gamma != 1.0:
+        unit = np.clip((img + 1) / 2, 0, 1)
+        img = (2 * unit ** plan.gamma - 1).astype(np.float32)
+    if plan.contrast != 1.0:
+        mean = img.mean()
+        img = (img - mean) * plan.contrast + mean
+    if plan.blur > 0:
+        vox = np.asarray(vox, dtype=float)
+        sigma = plan.blur * vox.min() / vox  # the same physical width on every axis
+        for c in range(img.shape[0]):
+            img[c] = ndi.gaussian_filter(img[c], sigma, mode="nearest")
+    if params.noise_std > 0:
+        img += (params.noise_std * rng.standard_normal(img.shape)).astype(np.float32)
+    return img

@@ -1,0 +1,98 @@
+"""Binary targets and validity masks of the requested classes, on a training grid.
+
+For each requested class of a crop:
+
+1. the crop annotates the class itself (a group of that name): read it;
+2. otherwise, if annotated groups together cover every atomic part of the class (its own
+   parts, or composite groups made only of its parts, e.g. ``er`` from ``er_mem``, ``er_lum``,
+   ``eres`` and ``ne``): the target is their union, valid where every one is valid (and
+   wherever one of them is present: then the union is present whatever the others say);
+3. otherwise the class is invalid everywhere (it counts neither in the loss nor in metrics).
+
+A group stores 0 (absent), 1 (present) and 255 (unknown), or, for instance classes, object ids;
+the values come from the group's ``cellmap`` encoding attribute. Anything that is neither
+absent nor unknown counts as present, so an instance group gives its binary mask. The ids
+themselves are read by :func:`read_instance_ids` for instance evaluation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchtitan.datasets.cellmap import UNKNOWN, LabelCrop, ScaleLevel, closest_level, read_nearest
+from torchtitan.datasets.classes import atoms
+
+
+def label_level(levels: list[ScaleLevel], voxel_size) -> ScaleLevel:
+    """The coarsest level still at least as fine as the grid (nearest sampling from it loses
+    no detail), or the closest level when every level is coarser."""
+    v = np.asarray(voxel_size, dtype=float)
+    finer = [lv for lv in levels if np.all(np.asarray(lv.scale) <= v + 1e-6)]
+    if finer:
+        return max(finer, key=lambda lv: float(np.prod(lv.scale)))
+    return levels[closest_level(levels, v)]
+
+
+def _encoding(crop: LabelCrop, group: str) -> tuple[int, int]:
+    enc = crop.encoding.get(group, {})
+    return int(enc.get("absent", 0)), int(enc.get("unknown", UNKNOWN))
+
+
+def read_raw(crop: LabelCrop, group: str, origin, voxel_size, shape) -> np.ndarray:
+    """Stored values of one class group on the grid; outside the crop they read as unknown."""
+    _, unknown = _encoding(crop, group)
+    level = label_level(crop.classes[group], voxel_size)
+    return read_nearest(level, origin, voxel_size, shape, fill=unknown)
+
+
+def target_groups(crop: LabelCrop, cls: str) -> tuple[str, ...] | None:
+    """The crop's groups whose union is ``cls``, or None when the crop does not annotate it."""
+    if cls in crop.classes:
+        return (cls,)
+    wanted = atoms(cls)
+    # Annotated groups made only of parts of cls, largest first (fewest reads).
+    candidates = sorted(
+        (g for g in crop.classes if atoms(g) <= wanted), key=lambda g: (-len(atoms(g)), g)
+    )
+    chosen, covered = [], frozenset()
+    for g in candidates:
+        if not atoms(g) <= covered:
+            chosen.append(g)
+            covered |= atoms(g)
+    return tuple(chosen) if covered == wanted else None
+
+
+def annotates(crop: LabelCrop, cls: str) -> bool:
+    """Whether the crop annotates ``cls``, itself or through all of its parts."""
+    return target_groups(crop, cls) is not None
+
+
+def read_target(crop: LabelCrop, cls: str, origin, voxel_size,
+                shape) -> tuple[np.ndarray, np.ndarray]:
+    """Boolean (target, valid) of one class on the grid (see the module docstring)."""
+    groups = target_groups(crop, cls)
+    if groups is None:
+        empty = np.zeros(tuple(shape), dtype=bool)
+        return empty, empty.copy()
+    target = valid = None
+    for g in groups:
+        absent, unknown = _encoding(crop, g)
+        raw = read_raw(crop, g, origin, voxel_size, shape)
+        v = raw != unknown
+        t = v & (raw != absent)
+        target = t if target is None else target | t
+        valid = v if valid is None else valid & v
+    return target, valid | target
+
+
+def read_instance_ids(crop: LabelCrop, cls: str, origin, voxel_size, shape) -> np.ndarray | None:
+    """The stored ids of ``cls`` on the grid (0 where absent, unknown or outside the crop),
+    for instance evaluation; None when the crop has no group of that name. A semantic group
+    gives 0/1, which ``evaluation.label_instances`` splits into connected components."""
+    if cls not in crop.classes:
+        return None
+    absent, unknown = _encoding(crop, cls)
+    raw = read_raw(crop, cls, origin, voxel_size, shape)
+    ids = raw.astype(np.int64)
+    ids[(raw == absent) | (raw == unknown)] = 0
+    return ids
