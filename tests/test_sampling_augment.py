@@ -450,3 +450,34 @@ def test_samples_kwargs_from_config():
     assert seg["augmentation"].rotate_deg == 15 and seg["max_resample"] == 3
     mae = samples_kwargs(cfg, "mae")
     assert set(mae) == {"augmentation", "planes", "max_resample", "foreground_threshold"}
+
+
+def test_validation_scores_stored_instance_ids(tmp_path):
+    """Two touching nuclei stored with ids 1 and 2: validation keeps them apart (2 true
+    instances), as the scoring command does, where connected components would merge them."""
+    from torchtitan.config_manager import ConfigManager
+    from torchtitan.evaluation import score_crop
+    from torchtitan.tasks.segmentation import SegmentationTask
+
+    store = make_store(tmp_path, smooth_em((16, 64, 64)))
+    ids = np.zeros((16, 32, 32), np.uint16)
+    ids[4:12, 4:16, 4:28] = 1
+    ids[4:12, 16:28, 4:28] = 2  # touches instance 1 along y = 16
+    write_labels(store, "crop1", {"nuc": ids, "mito": np.zeros_like(ids)}, (8, 8, 8))
+    write_labels(store, "crop2", {"nuc": ids, "mito": np.zeros_like(ids)}, (8, 8, 8),
+                 corner_voxel=(0, 32, 32))
+    cfg = ConfigManager().parse_args([
+        "--job.config_file", "train_configs/debug_segmentation_2d.toml",
+        "--data.dataset_path", str(tmp_path), "--data.classes", "nuc,mito",
+        "--data.val_crops", "crop2", "--model.crop_size", "16,16"])
+    task = SegmentationTask(cfg)
+    task.prepare()
+    vol = task._val_volume(task.val_crops[0])
+    assert set(vol["ids"]) == {"nuc"}  # mito is semantic; a 0/1 group keeps the binary mask
+    stored = vol["ids"]["nuc"]
+    assert set(np.unique(stored)) == {0, 1, 2}
+    assert np.array_equal(stored > 0, vol["target"][0].numpy())
+    binary = vol["target"][0].numpy()
+    by_ids = score_crop({"nuc": binary}, {"nuc": stored}, {}, (8, 8, 8))["classes"]["nuc"]
+    by_cc = score_crop({"nuc": binary}, {"nuc": binary}, {}, (8, 8, 8))["classes"]["nuc"]
+    assert by_ids["n_true"] == 2 and by_cc["n_true"] == 1

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
 from torchtitan.datasets.samples import crop_grid
 from torchtitan.datasets.slices import build_slice_samples, load_slice_data
-from torchtitan.datasets.targets import annotates
-from torchtitan.evaluation import combine_scores, score_crop, validation_scores
+from torchtitan.datasets.targets import annotates, read_instance_ids
+from torchtitan.evaluation import INSTANCE_CLASSES, combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume
 from torchtitan.models import (
     SegmentationModel,
@@ -80,11 +80,21 @@ class SegmentationTask:
             samples = self.train_dataset()
             origin, shape = crop_grid(crop, self.cfg.data.voxel_size)
             arrays = samples.read(crop, origin, shape)
-            self._val_cache[crop.full_name] = {
+            vol = {
                 "image": torch.from_numpy(arrays["image"]),
                 "target": torch.from_numpy(arrays["target"] > 0),
                 "valid": torch.from_numpy(arrays["valid"] > 0),
             }
+            # Instance classes stored with ids are scored against those ids (touching
+            # instances stay apart), as the scoring command does.
+            ids = {}
+            for name in self.cfg.data.classes:
+                if name in INSTANCE_CLASSES and not self.cfg.data.dataset_name:
+                    stored = read_instance_ids(crop, name, origin, self.cfg.data.voxel_size, shape)
+                    if stored is not None and stored.max(initial=0) > 1:
+                        ids[name] = stored
+            vol["ids"] = ids
+            self._val_cache[crop.full_name] = vol
         return self._val_cache[crop.full_name]
 
     def validate(self, model, trainer) -> dict[str, float]:
@@ -115,7 +125,8 @@ class SegmentationTask:
             target, valid = vol["target"].numpy(), vol["valid"].numpy()
             annotated = [k for k, name in enumerate(classes) if annotates(crop, name)]
             per_crop.append(score_crop(
-                {classes[k]: pred[k] for k in annotated}, {classes[k]: target[k] for k in annotated},
+                {classes[k]: pred[k] for k in annotated},
+                {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated},
                 {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))
             self._visualize(trainer, crop, vol, pred, classes)
         dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
