@@ -211,9 +211,9 @@ def test_corrupt_chunk_raises_chunk_read_error(tmp_path, zarr_format):
         read_linear(level, (0.0, 0.0, 0.0), (8.0, 8.0, 8.0), (4, 4, 4))
     assert isinstance(e.value, DatasetError)
     assert e.value.array_path == level.path
-    assert e.value.region == ((0, 0, 0), (5, 5, 5))  # linear reads one voxel more
+    assert e.value.region == ((0, 0, 0), (4, 4, 4))  # grid-aligned: exactly the box
     msg = str(e.value)
-    assert level.path in msg and "[0:5, 0:5, 0:5]" in msg and "re-copy" in msg
+    assert level.path in msg and "[0:4, 0:4, 0:4]" in msg and "re-copy" in msg
     # Another region of the same array, in intact chunks, still reads.
     read_linear(level, (80.0, 80.0, 80.0), (8.0, 8.0, 8.0), (4, 4, 4))
 

@@ -23,6 +23,7 @@ from torchtitan.datasets.classes import (
     atoms,
     check_class_names,
 )
+from torchtitan.datasets.loader import batch_to_device
 from torchtitan.datasets.samples import MAESamples, SegmentationSamples, samples_kwargs
 from torchtitan.datasets.targets import annotates, read_instance_ids, read_target, target_groups
 
@@ -269,6 +270,9 @@ def _mismatch(item) -> float:
     """Fraction of valid voxels where the label disagrees with the EM's block value. Linear
     (EM) and nearest (labels) resampling disagree only near block corners, well below 1%;
     labels one voxel off the EM would disagree on several percent."""
+    from torchtitan.datasets.loader import batch_to_device
+
+    item = batch_to_device(item, "cpu")  # raw uint8 EM -> normalised, as training sees it
     valid = item["valid"][0] > 0
     assert valid.float().mean() > 0.3
     disagree = (item["image"][0] > EM_MIDPOINT) != (item["target"][0] > 0)
@@ -380,7 +384,7 @@ def test_min_label_fraction_lets_samples_leave_the_crop(tmp_path):
     ds = SegmentationSamples([src], [crop1], ["mito"], (8, 8, 8), (24, 24), 0,
                              min_label_fraction=0.5)
     for g in range(40):
-        item = ds[g]
+        item = batch_to_device(ds[g], "cpu")
         fractions.append(float(item["valid"].mean()))
         assert torch.all(item["image"] > -0.1)  # EM context is real, not padding
     assert min(fractions) >= 0.5 - 1e-6 and sum(f < 1 for f in fractions) > 20
@@ -401,7 +405,7 @@ def test_mae_foreground_threshold(tmp_path):
     fg = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, foreground_threshold=0.9, num_patches=4)
 
     def fraction(item):
-        return float((item["image"] > -0.99).float().mean())
+        return float((batch_to_device(item, "cpu")["image"] > -0.99).float().mean())
 
     assert sum(fraction(plain[g]) < 0.9 for g in range(20)) > 8
     for g in range(20):
@@ -481,3 +485,36 @@ def test_validation_scores_stored_instance_ids(tmp_path):
     by_ids = score_crop({"nuc": binary}, {"nuc": stored}, {}, (8, 8, 8))["classes"]["nuc"]
     by_cc = score_crop({"nuc": binary}, {"nuc": binary}, {}, (8, 8, 8))["classes"]["nuc"]
     assert by_ids["n_true"] == 2 and by_cc["n_true"] == 1
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim):
+    """Grid-aligned EM ships as raw uint8 and masks as uint8; on the device they become
+    exactly the float32 inputs of the float path (EM normalised on the host)."""
+    from torchtitan.datasets.loader import batch_to_device
+
+    store = make_store(tmp_path, smooth_em((32, 64, 64)))
+    write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (8, 8, 8))
+    (src,) = discover(tmp_path)
+    crop_size = (16, 16) if ndim == 2 else (8, 16, 16)
+    fast = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
+                               augmentation=AugmentParams(rot90=True))
+    slow = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
+                               augmentation=AugmentParams(rot90=True))
+    slow.em_uint8 = False
+    assert fast.em_uint8
+    for g in range(6):
+        a, b = fast[g], slow[g]
+        assert a["image"].dtype == torch.uint8 and b["image"].dtype == torch.float32
+        assert a["target"].dtype == a["valid"].dtype == torch.uint8
+        a, b = batch_to_device(a, "cpu"), batch_to_device(b, "cpu")
+        for key in ("image", "target", "valid"):
+            assert a[key].dtype == torch.float32 and torch.equal(a[key], b[key]), key
+    # Interpolating augmentations, intensity changes or an EM level off the grid: float EM.
+    assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
+                                   augmentation=AugmentParams(contrast=0.1)).em_uint8
+    assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
+                                   augmentation=AugmentParams(rotate_deg=10)).em_uint8
+    assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 4), crop_size, seed=3).em_uint8
+    mae = MAESamples([src], (8, 8, 8), crop_size, seed=3)
+    assert mae.em_uint8 and mae[0]["image"].dtype == torch.uint8 and mae[0]["valid"].dtype == torch.uint8

@@ -11,6 +11,11 @@ A checkpoint is written to ``.step-N.tmp`` and renamed to ``step-N`` only once e
 has finished and DCP has written ``.metadata``, so a crash mid-save never leaves a folder
 that loading would take. Because DCP reshards on load, a checkpoint written under FSDP on two
 ranks loads under DDP or on one process.
+
+Tensors are always stored in their unsharded layout (Meta's, for the ViT). The one tensor that
+tensor parallelism shards in strided blocks (the packed qkv weight, and its optimizer states)
+is redistributed to ordinary shards around each save and load (``to_storage_layout``), so a
+TP checkpoint loads under any parallelism and vice versa.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torchtitan.parallelisms.tensor_parallel import from_storage_layout, to_storage_layout
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +126,10 @@ class CheckpointManager:
         _barrier()
         if model_only:
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.export_dtype]
-            state = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}}
+            weights = to_storage_layout(get_model_state_dict(self.model))
+            state = {"model": {k: v.to(dtype) for k, v in weights.items()}}
         else:
-            state = self._state()
+            state = to_storage_layout(self._state())
         if self.cfg.async_mode == "async" and not model_only:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
             self.pending = (future, step)
@@ -214,8 +223,10 @@ class CheckpointManager:
                 f"{path} holds only model weights (a seed or model-only export); load it with "
                 "checkpoint.initial_load_path instead of resuming from it"
             )
-        state = {k: v for k, v in self._state().items() if k not in exclude}
-        dcp.load(state, checkpoint_id=str(path))
+        own = {k: v for k, v in self._state().items() if k not in exclude}
+        stored_layout = to_storage_layout(own)
+        dcp.load(stored_layout, checkpoint_id=str(path))
+        state = from_storage_layout(stored_layout, own)
         if "model" in state:
             set_model_state_dict(self.model, state["model"])
         if "optimizer" in state:
@@ -292,7 +303,9 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
             f"{missing[:5]}; the checkpoint holds e.g. {sorted(stored)[:5]}. Check model.backbone "
             "and checkpoint.initial_load_prefix_map"
         )
-    dcp.load(wanted, checkpoint_id=str(path))
+    stored_layout = to_storage_layout(wanted)
+    dcp.load(stored_layout, checkpoint_id=str(path))
+    wanted = from_storage_layout(stored_layout, wanted)
     # Write the loaded values back through the model's own state-dict API (handles DTensors).
     inverse = {}
     for key in model_sd:
@@ -302,3 +315,30 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
                 break
     set_model_state_dict(model, inverse, options=StateDictOptions(strict=False))
     logger.info("loaded %d model weights from %s", len(inverse), path)
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, reference: dict | None) -> None:
+    """Load a full (unsharded) state dict that only rank 0 holds into a (parallelised,
+    compiled, checkpoint-wrapped) model, by clean names: each tensor is broadcast in turn and
+    every rank keeps its own shard of it.
+
+    (``set_model_state_dict(..., broadcast_from_rank0=True)`` does this too, but it cuts a
+    shard out of the full tensor as one block, which is wrong for the strided shards of the
+    tensor-parallel qkv weight; ``distribute_tensor`` handles every placement.)
+    """
+    distributed = dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
+    for key, local in get_model_state_dict(model).items():
+        if rank0:
+            full = reference[key].to(device=local.device, dtype=local.dtype).contiguous()
+        else:
+            full = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+        if distributed:
+            dist.broadcast(full, src=0)
+        if isinstance(local, DTensor):
+            shard = distribute_tensor(full, local.device_mesh, local.placements,
+                                      src_data_rank=None)
+            local.to_local().copy_(shard.to_local())
+        else:
+            local.copy_(full)

@@ -22,16 +22,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-from torchtitan.checkpoint import CheckpointError, CheckpointManager
+from torch.nn.parallel import DistributedDataParallel
+from torchtitan.checkpoint import CheckpointError, CheckpointManager, load_full_state_dict
 from torchtitan.config_manager import ConfigError, ConfigManager, JobConfig, save_config
 from torchtitan.datasets.cellmap import DatasetError
-from torchtitan.datasets.loader import build_loader
+from torchtitan.datasets.loader import batch_to_device, build_loader
 from torchtitan.metrics import MetricLogger, Throughput, setup_logging
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
-from torchtitan.parallelisms.parallelize import autocast_context, parallelize, wrap_ddp
+from torchtitan.parallelisms.parallelize import (
+    autocast_context,
+    check_parallelism,
+    parallelize,
+    wrap_ddp,
+)
+from torchtitan.parallelisms.utils import clip_grad_norm_
 
 logger = logging.getLogger("torchtitan")
 
@@ -64,8 +69,10 @@ class TrainState:
                 "position, so resume with the same global batch size (or start a new dump_folder)"
             )
         if int(sd["dp_degree"]) != self.dp_degree:
-            logger.info("resuming with data-parallel degree %d (checkpoint: %d); the global "
-                        "batches are unchanged", self.dp_degree, int(sd["dp_degree"]))
+            # Samples are keyed by global index, so every step still sees the same global
+            # batch, only split differently; losses match up to reduction order.
+            logger.warning("resuming with data-parallel degree %d (checkpoint: %d); the global "
+                           "batches are unchanged", self.dp_degree, int(sd["dp_degree"]))
         torch.set_rng_state(sd["rng_cpu"])
 
 
@@ -101,6 +108,9 @@ class Trainer:
                 f"divisible by the data-parallel degree {self.dims.dp_degree} "
                 f"({self.dims.describe()}); use a multiple of {self.dims.dp_degree}"
             )
+        if self.dims.tp_enabled:  # does the model split over the tp ranks?
+            with torch.device("meta"):
+                check_parallelism(task.build_model(), self.dims, cfg)
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -120,6 +130,8 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_mesh = self.dims.dp_mesh(self.mesh)
         self.dp_rank = self.dims.dp_rank(self.mesh)
+        # Ranks of one tensor-parallel group hold the same batch: only tp rank 0 writes files.
+        self.tp_rank = self.mesh["tp"].get_local_rank() if self.dims.tp_enabled else 0
         if self.cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -142,11 +154,7 @@ class Trainer:
             reference = self.task.build_model()
             reference.init_weights()
             reference = reference.state_dict()
-        if self.world_size > 1:
-            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, reference or {}, options=opts)
-        else:
-            model.load_state_dict(reference)
+        load_full_state_dict(model, reference)  # broadcast from rank 0, keep own shards
         self.model = wrap_ddp(model, self.dims, self.mesh)
         self.autocast = autocast_context(self.dims, self.cfg, self.device.type)
 
@@ -181,7 +189,7 @@ class Trainer:
     # -- loop -----------------------------------------------------------------------------------
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return batch_to_device(batch, self.device)
 
     def train_step(self, batch: dict) -> tuple[float, float]:
         """One optimizer step; returns (global mean loss, gradient norm)."""
@@ -193,11 +201,8 @@ class Trainer:
         loss = loss_sum * (self.dims.dp_degree / global_count.to(loss_sum.dtype))
         loss.backward()
         max_norm = self.cfg.training.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None],
-            max_norm if max_norm > 0 else float("inf"), foreach=False)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_(self.model.parameters(),
+                                    max_norm if max_norm > 0 else float("inf"))
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -207,7 +212,8 @@ class Trainer:
     def validate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         self.model.eval()
-        module = self.model.module if self.dims.ddp_enabled else self.model
+        module = self.model.module if isinstance(self.model, DistributedDataParallel) \
+            else self.model
         with torch.no_grad(), self.autocast:
             scores = self.task.validate(module, self)
         self.model.train()
@@ -233,8 +239,13 @@ class Trainer:
             bar = tqdm(total=total, initial=start, desc=self.task.name, dynamic_ncols=True)
         self.model.train()
         scores: dict[str, float] = {}
+        resampled_local = 0
         for step in range(start + 1, total + 1):
-            batch = self._to_device(next(data_iter))
+            batch = next(data_iter)
+            resampled = batch.pop("resampled", None)
+            if resampled is not None:
+                resampled_local += int(resampled.sum())
+            batch = self._to_device(batch)
             loss, grad_norm = self.train_step(batch)
             meter.tick()
             self.state.step = step
@@ -244,6 +255,10 @@ class Trainer:
             if step % cfg.metrics.log_freq == 0 or step == total or step == start + 1:
                 values = {"loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
                           "grad_norm": grad_norm, **meter.report()}
+                # Samples replaced after a read error (corrupt chunk), all ranks, this launch.
+                values["data/resampled"] = float(_all_reduce(
+                    torch.tensor(float(resampled_local), dtype=torch.float64, device=self.device),
+                    self.dp_mesh))
                 self.metrics.log(step, values)
                 if bar is None:
                     logger.info("step %d loss %.4f lr %.2e grad_norm %.3f %.0f voxels/s", step,

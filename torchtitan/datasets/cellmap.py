@@ -565,6 +565,12 @@ def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.nd
     raises :class:`ChunkReadError`, which the sample builders catch to draw another sample.
     """
     arr = open_array(level.path)
+    if all(0 <= l and h <= n for l, h, n in zip(lo, hi, level.shape)):  # inside: no padding
+        src = tuple(slice(l, h) for l, h in zip(lo, hi))
+        try:
+            return np.asarray(arr[src])
+        except Exception as e:  # noqa: BLE001 - codec errors have no common type across codecs
+            raise ChunkReadError(level.path, list(lo), list(hi), e) from e
     out = np.full([h - l for l, h in zip(lo, hi)], fill, dtype=arr.dtype)
     src, dst = [], []
     for ax in range(3):
@@ -588,28 +594,41 @@ def read_nearest(level: ScaleLevel, origin, voxel_size, shape, fill) -> np.ndarr
     lo = [int(i.min()) for i in idx]
     hi = [int(i.max()) + 1 for i in idx]
     region = _read_region(level, lo, hi, fill)
+    if all(_consecutive(i) for i in idx):  # the grids coincide: the region is the answer
+        return region
     local = [i - l for i, l in zip(idx, lo)]
     return region[np.ix_(*local)]
+
+
+def _consecutive(idx: np.ndarray) -> bool:
+    """Whether integer indices are ``a, a + 1, a + 2, ...``."""
+    return len(idx) < 2 or bool(np.all(np.diff(idx) == 1))
 
 
 def read_linear(level: ScaleLevel, origin, voxel_size, shape, fill=0) -> tuple[np.ndarray, np.ndarray]:
     """Sample ``level`` at the training grid by separable linear interpolation (EM).
 
-    Returns the float32 image and a boolean mask of the voxels that lie inside the array.
-    When the grids coincide (the usual case: the EM level matches the training voxel size and
-    the sample origin is snapped to it) this reduces to a plain slice.
+    Returns the image and a boolean mask of the voxels that lie inside the array. When the
+    grids coincide (the usual case: the EM level matches the training voxel size and the
+    sample origin is snapped to it) this is a plain slice in the array's own dtype (uint8 for
+    EM); otherwise the interpolated image is float32.
     """
     pos = _positions(level, origin, voxel_size, shape)
     inside = [(p > -0.5) & (p < level.shape[ax] - 0.5) for ax, p in enumerate(pos)]
     valid = inside[0][:, None, None] & inside[1][None, :, None] & inside[2][None, None, :]
     i0 = [np.floor(p).astype(np.int64) for p in pos]
     w = [(p - i).astype(np.float32) for p, i in zip(pos, i0)]
+    exact = [bool(np.all(wa == 0)) for wa in w]
     lo = [int(i.min()) for i in i0]
-    hi = [int(i.max()) + 2 for i in i0]
-    img = _read_region(level, lo, hi, fill).astype(np.float32)
+    # An axis without interpolation needs no extra voxel (which could cost a whole chunk).
+    hi = [int(i.max()) + (1 if e else 2) for i, e in zip(i0, exact)]
+    region = _read_region(level, lo, hi, fill)
+    if all(exact) and all(_consecutive(i) for i in i0):
+        return region, valid
+    img = region.astype(np.float32)
     for ax in range(3):
         a = i0[ax] - lo[ax]
-        if np.all(w[ax] == 0):
+        if exact[ax]:
             img = np.take(img, a, axis=ax)
             continue
         bshape = [1, 1, 1]

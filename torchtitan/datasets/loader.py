@@ -69,6 +69,21 @@ def _worker_init(worker_id: int) -> None:
     cellmap._ARRAY_CACHE.clear()
 
 
+def batch_to_device(batch: dict, device) -> dict:
+    """Move a batch to ``device`` and make model inputs of it: raw uint8 EM is normalised
+    there exactly as ``samples.normalize_em`` does on the host, uint8 masks become float32.
+    Shipping uint8 from the loader workers moves a quarter of the bytes."""
+    out = {}
+    for key, value in batch.items():
+        value = value.to(device, non_blocking=True)
+        if key == "image" and value.dtype == torch.uint8:
+            value = value.float().div_(127.5).sub_(1.0)
+        elif value.dtype in (torch.uint8, torch.bool):
+            value = value.float()
+        out[key] = value
+    return out
+
+
 def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start_step: int,
                  num_workers: int, pin_memory: bool = False,
                  multiprocessing_context: str | None = None) -> DataLoader:

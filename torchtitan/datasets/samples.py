@@ -80,8 +80,12 @@ def sample_rng(seed: int, index: int, attempt: int = 0) -> np.random.Generator:
 
 
 def normalize_em(img: np.ndarray) -> np.ndarray:
-    """uint8 intensities to roughly zero mean, unit range."""
-    return (img.astype(np.float32) / 127.5) - 1.0
+    """uint8 intensities to roughly zero mean, unit range (float32, one pass).
+    :func:`torchtitan.datasets.loader.batch_to_device` does the same on the device for
+    samples shipped as uint8, bit for bit."""
+    out = np.divide(img, np.float32(127.5), dtype=np.float32)
+    out -= np.float32(1.0)
+    return out
 
 
 def grid_shape(crop_size: list[int] | tuple[int, ...]) -> tuple[int, int, int]:
@@ -127,14 +131,23 @@ def origin_range(box_min, box_max, size, min_fraction: float = 1.0,
 
 
 def foreground_fraction(image: np.ndarray) -> float:
-    """Fraction of voxels of normalised EM whose raw value is non-zero (>= 0.5 after
-    interpolation); padding outside the volume reads as zero."""
+    """Fraction of EM voxels whose raw value is non-zero (>= 0.5 after interpolation), for
+    raw uint8 or normalised EM; padding outside the volume reads as zero."""
+    if image.dtype == np.uint8:
+        return float(np.mean(image > 0))
     return float(np.mean(image > -1.0 + 0.5 / 127.5))
 
 
 def _to_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-            for k, a in arrays.items()}
+    """uint8 arrays (raw EM, masks) stay uint8 (a quarter of the bytes to ship from loader
+    workers); everything else becomes float32."""
+    out = {}
+    for k, a in arrays.items():
+        if a.dtype == np.bool_:
+            a = a.view(np.uint8)
+        dtype = np.uint8 if a.dtype == np.uint8 else np.float32
+        out[k] = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+    return out
 
 
 class _SampleDataset(Dataset):
@@ -155,6 +168,15 @@ class _SampleDataset(Dataset):
             raise DatasetError(f"data.planes must be 'z' or 'zyx', got {planes!r}")
         self.planes = planes
         self.max_resample = int(max_resample)
+        self.em_uint8 = False  # set by subclasses once their EM sources are known
+
+    def _ships_raw_em(self, sources: list[EMSource]) -> bool:
+        """Whether samples can carry EM as raw uint8 (normalised on the device): every EM level
+        read lies on the training grid, and no augmentation interpolates or changes values."""
+        if self.aug.intensity or self.aug.rotate_deg > 0 or self.aug.scale > 0:
+            return False
+        return all(np.allclose(self._em_level(s).scale, self.voxel_size, rtol=1e-6)
+                   for s in sources)
 
     def __len__(self) -> int:
         return 2**62  # indexed by global sample index; the sampler decides what is drawn
@@ -164,8 +186,15 @@ class _SampleDataset(Dataset):
     def _em_level(self, source: EMSource) -> ScaleLevel:
         return source.levels[closest_level(source.levels, self.voxel_size)]
 
-    def read_em(self, source: EMSource, origin, shape) -> tuple[np.ndarray, np.ndarray]:
+    def read_em(self, source: EMSource, origin, shape,
+                raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """EM of a box of the training grid: normalised float32, or with ``raw`` the uint8
+        values (only exact when the grids coincide, see ``_ships_raw_em``)."""
         img, inside = read_linear(self._em_level(source), origin, self.voxel_size, shape)
+        if raw:
+            if img.dtype != np.uint8:
+                img = np.clip(np.rint(img), 0, 255).astype(np.uint8)
+            return img, inside
         return normalize_em(img), inside
 
     # -- where ------------------------------------------------------------------------------------
@@ -218,6 +247,8 @@ class _SampleDataset(Dataset):
             for k, a in reader(read_origin, tuple(int(b) for b in big)).items():
                 order, cval = (1, -1.0) if k == "image" else (0, 0.0)
                 arrays[k] = resample(to_frame(a), matrix, out_shape, shift[keep], order, cval)
+                if k != "image":  # nearest of 0/1 masks: exact, back to uint8
+                    arrays[k] = arrays[k].astype(np.uint8)
         return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
 
     def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
@@ -252,8 +283,10 @@ class _SampleDataset(Dataset):
 class SegmentationSamples(_SampleDataset):
     """Random crops of EM with aligned binary targets and per-class validity masks.
 
-    Item ``g`` is a dict: ``image`` (1, *crop), ``target`` and ``valid`` (K, *crop) float32,
-    ``index`` (the global sample index) and ``resampled`` (replacements after read errors).
+    Item ``g`` is a dict: ``image`` (1, *crop) (float32, or raw uint8 when ``em_uint8``),
+    ``target`` and ``valid`` (K, *crop) uint8, ``index`` (the global sample index) and
+    ``resampled`` (replacements after read errors). ``loader.batch_to_device`` turns a batch
+    into float32 model inputs.
     """
 
     def __init__(
@@ -286,6 +319,7 @@ class SegmentationSamples(_SampleDataset):
         # Training crops that annotate each class (itself or through its parts).
         self._crops_with = [[i for i, c in enumerate(crops) if annotates(c, cls)]
                             for cls in self.classes]
+        self.em_uint8 = self._ships_raw_em([self.by_name[c.dataset] for c in crops])
         self._fg_cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
 
     def __getstate__(self) -> dict:
@@ -293,12 +327,13 @@ class SegmentationSamples(_SampleDataset):
         state["_fg_cache"] = OrderedDict()  # workers rebuild what they need
         return state
 
-    def read(self, crop: LabelCrop, origin, shape) -> dict[str, np.ndarray]:
-        """EM, targets and validity of one box of the training grid (3D arrays)."""
+    def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
+        """EM (normalised float32, or uint8 with ``raw_em``), targets and validity (uint8 0/1)
+        of one box of the training grid (3D arrays)."""
         source = self.by_name[crop.dataset]
-        image, _ = self.read_em(source, origin, shape)
-        target = np.zeros((len(self.classes), *shape), dtype=np.float32)
-        valid = np.zeros_like(target)
+        image, _ = self.read_em(source, origin, shape, raw=raw_em)
+        target = np.empty((len(self.classes), *shape), dtype=np.uint8)
+        valid = np.empty_like(target)
         for k, cls in enumerate(self.classes):
             target[k], valid[k] = read_target(crop, cls, origin, self.voxel_size, shape)
         return {"image": image[None], "target": target, "valid": valid}
@@ -377,7 +412,7 @@ class SegmentationSamples(_SampleDataset):
         level = self._em_level(self.by_name[crop.dataset])
         origin = grid_origin_snapped(level, self.voxel_size, origin)
         arrays, plan, vox = self._geometry(rng, level, origin, normal,
-                                           lambda o, s: self.read(crop, o, s))
+                                           lambda o, s: self.read(crop, o, s, self.em_uint8))
         return self._finish(arrays, plan, vox, rng)
 
 
@@ -399,10 +434,11 @@ class MAESamples(_SampleDataset):
         self.sources = sources
         self.num_patches = num_patches
         self.foreground_threshold = float(foreground_threshold)
+        self.em_uint8 = self._ships_raw_em(sources)
 
     def _read(self, source: EMSource, origin, shape) -> dict[str, np.ndarray]:
-        image, inside = self.read_em(source, origin, shape)
-        return {"image": image[None], "valid": inside[None].astype(np.float32)}
+        image, inside = self.read_em(source, origin, shape, raw=self.em_uint8)
+        return {"image": image[None], "valid": inside[None].view(np.uint8)}
 
     def _draw_once(self, rng: np.random.Generator):
         normal = self._draw_normal(rng)

@@ -111,7 +111,8 @@ class LinearKMaskedBias(nn.Linear):
         if self.bias_mask is not None:
             o = self.out_features
             self.bias_mask.fill_(1.0)
-            self.bias_mask[o // 3 : 2 * o // 3] = 0.0
+            # fill_ on a slice, not slice assignment: also works on a (tensor-parallel) DTensor.
+            self.bias_mask[o // 3 : 2 * o // 3].fill_(0.0)
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self.bias * self.bias_mask.to(self.bias.dtype)

@@ -4,6 +4,13 @@ Models are single-device code that expose their transformer blocks as ``nn.Modul
 named ``blocks`` (``backbone.blocks``, ``encoder.blocks``, ``decoder.blocks``). Everything here
 finds them by name, so one function serves every model. The order follows torchtitan:
 TP -> activation checkpointing -> compile -> FSDP/HSDP or DDP.
+
+Tensor parallelism shards the blocks only (see ``tensor_parallel.py``). It combines with FSDP
+and HSDP (2-D / 3-D meshes: FSDP shards over the dp dims what TP left on each rank) and with
+DDP. PyTorch's ``DistributedDataParallel`` does not take DTensor parameters, so DDP + TP uses
+FSDP2's replicate-only variant (``replicate``: gradients all-reduced over the dp mesh, one
+bucket per block), applied like FSDP on the meta device; DDP without TP keeps the classic
+wrapper.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.tensor_parallel import apply_tp, check_divisible, is_strided_tp
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +98,13 @@ def apply_compile(model: nn.Module) -> None:
     logger.info("compiled every transformer block with torch.compile")
 
 
+def _fsdp_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP shards dim 0 (the default, None) except for the TP-packed qkv weight, whose dim 0
+    is already split per q/k/v part: sharding it again there cannot be described as one
+    placement per mesh dim, so FSDP takes dim 1 (the input features) instead."""
+    return Shard(1) if isinstance(param, DTensor) and is_strided_tp(param) else None
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, reshard_after_forward: bool = True,
                cpu_offload: bool = False) -> None:
@@ -96,6 +112,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
     kwargs = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "shard_placement_fn": _fsdp_placement,
     }
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -105,15 +122,34 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, cfg) -> nn.Module:
-    """Apply AC, compile and data parallelism; returns the module to train.
+def _size_option(list_name: str, cfg) -> str:
+    """The config option that sets the size of the blocks in ``list_name``."""
+    if list_name.startswith("decoder."):
+        return "model.decoder_num_heads / model.decoder_dim"
+    return f"model.backbone={cfg.model.backbone!r}"
 
-    FSDP is applied here on the meta device. DDP needs materialised weights, so it is applied
-    by :func:`wrap_ddp` after initialisation.
+
+def check_parallelism(model: nn.Module, dims: ParallelDims, cfg) -> None:
+    """Settings that fit the world size but not the model or each other; raises a
+    ParallelismError. ``model`` may live on the meta device: call this before any process
+    group exists, so that every rank stops with the same message."""
+    if not dims.tp_enabled:
+        return
+    for list_name, blocks in block_lists(model):
+        check_divisible(list_name, blocks, dims.tp, _size_option(list_name, cfg))
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, cfg) -> nn.Module:
+    """Apply TP, AC, compile and data parallelism; returns the module to train.
+
+    TP, FSDP and DDP + TP (FSDP2's ``replicate``) are applied here on the meta device. The
+    classic DDP wrapper needs materialised weights, so it is applied by :func:`wrap_ddp` after
+    initialisation.
     """
     if dims.tp_enabled:
-        raise NotImplementedError("tensor parallelism is not available yet; set "
-                                  "training.tensor_parallel_degree = 1")
+        check_parallelism(model, dims, cfg)
+        apply_tp(block_lists(model), mesh["tp"])
+        logger.info("applied tensor parallelism %d to every transformer block", dims.tp)
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.training.compile:
         apply_compile(model)
@@ -122,11 +158,27 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
         apply_fsdp(model, dp_mesh, DTYPES[cfg.training.mixed_precision_param],
                    DTYPES[cfg.training.mixed_precision_reduce])
         logger.info("applied %s", dims.describe())
+    elif dims.ddp_enabled and dims.tp_enabled:
+        apply_replicate(model, mesh["dp_replicate"])
+        logger.info("applied %s (DDP by FSDP2's replicate)", dims.describe())
     return model
 
 
+def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> None:
+    """DDP for models with DTensor (tensor-parallel) parameters: FSDP2's replicate-only mode,
+    per block and then the root, like :func:`apply_fsdp`. Parameters keep their dtype (bf16
+    compute comes from autocast, as with the DDP wrapper)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for _, blocks in block_lists(model):
+        for block in blocks:
+            replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+
+
 def wrap_ddp(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> nn.Module:
-    if not dims.ddp_enabled:
+    """Classic DDP (data parallel without sharding or TP); a no-op otherwise."""
+    if not dims.ddp_enabled or dims.tp_enabled:
         return model
     from torch.nn.parallel import DistributedDataParallel
 

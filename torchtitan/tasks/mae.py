@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan.datasets.loader import build_mae_samples, load_em_sources
+from torchtitan.datasets.loader import batch_to_device, build_mae_samples, load_em_sources
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.common import check_backbone
@@ -103,7 +103,8 @@ class MAETask:
         total = torch.zeros(2, dtype=torch.float64)
         for i in range(0, len(indices), bs):
             items = [data[j] for j in indices[i:i + bs]]
-            batch = {k: torch.stack([it[k] for it in items]).to(trainer.device) for k in items[0]}
+            batch = batch_to_device({k: torch.stack([it[k] for it in items]) for k in items[0]},
+                                    trainer.device)
             pred, mask, (s, c) = self._forward(model, batch)
             total += torch.stack([s.detach().double().cpu(), c.detach().double().cpu()])
             if i == 0 and trainer.rank == 0:

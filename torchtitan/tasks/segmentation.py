@@ -128,7 +128,8 @@ class SegmentationTask:
                 {classes[k]: pred[k] for k in annotated},
                 {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated},
                 {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))
-            self._visualize(trainer, crop, vol, pred, classes)
+            if getattr(trainer, "tp_rank", 0) == 0:
+                self._visualize(trainer, crop, vol, pred, classes)
         dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
         for _ in range(idle):
             predict(dummy)
