@@ -518,3 +518,18 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim):
     assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 4), crop_size, seed=3).em_uint8
     mae = MAESamples([src], (8, 8, 8), crop_size, seed=3)
     assert mae.em_uint8 and mae[0]["image"].dtype == torch.uint8 and mae[0]["valid"].dtype == torch.uint8
+
+
+def test_packed_mask_resampling_equals_one_channel_at_a_time():
+    """40 masks (two packed words) moved at once equal each mask moved on its own."""
+    from torchtitan.datasets.augment import Plan, resample, resample_masks, resample_matrix
+
+    rng = np.random.default_rng(0)
+    masks = (rng.random((40, 10, 30, 30)) < 0.3).astype(np.uint8)
+    matrix = resample_matrix(Plan(angle=0.4, zoom=1.2), (16.0, 8.0, 8.0))
+    shift = np.array([0.3, -1.2, 0.7])
+    packed = resample_masks(masks, matrix, (8, 20, 20), shift)
+    single = np.concatenate([resample(m[None], matrix, (8, 20, 20), shift, 0, 0.0)
+                             for m in masks]).astype(np.uint8)
+    assert packed.dtype == np.uint8 and np.array_equal(packed, single)
+    assert 0.2 < packed.mean() < 0.4

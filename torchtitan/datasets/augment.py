@@ -134,11 +134,35 @@ def resample(arr: np.ndarray, matrix: np.ndarray, shape, shift, order: int,
     centre_out = (np.asarray(shape, dtype=float) - 1) / 2
     centre_in = (np.asarray(arr.shape[1:], dtype=float) - 1) / 2
     offset = centre_in + np.asarray(shift, dtype=float) - matrix @ centre_out
-    out = np.empty((arr.shape[0], *shape), dtype=np.float32)
+    # Nearest neighbour copies input values: integer inputs keep their dtype (and exactness).
+    exact = order == 0 and arr.dtype.kind in "ui"
+    out = np.empty((arr.shape[0], *shape), dtype=arr.dtype if exact else np.float32)
     for c in range(arr.shape[0]):
-        ndi.affine_transform(arr[c].astype(np.float32, copy=False), matrix, offset=offset,
-                             output_shape=tuple(shape), output=out[c], order=order,
-                             mode="constant", cval=cval, prefilter=False)
+        src = arr[c] if exact else arr[c].astype(np.float32, copy=False)
+        ndi.affine_transform(src, matrix, offset=offset, output_shape=tuple(shape),
+                             output=out[c], order=order, mode="constant", cval=cval,
+                             prefilter=False)
+    return out
+
+
+# Bits per packed word in resample_masks: scipy interpolates in float64, exact below 2**53.
+_MASK_BITS = 32
+
+
+def resample_masks(masks: np.ndarray, matrix: np.ndarray, shape, shift) -> np.ndarray:
+    """Nearest-neighbour resampling of many 0/1 masks (C, *in_shape) for the price of a few:
+    the channels are packed as the bits of 32-bit words, each word resampled once (nearest
+    picks one input voxel, so every bit moves together), then unpacked to uint8 (C, *shape)."""
+    masks = np.asarray(masks)
+    out = np.empty((masks.shape[0], *shape), dtype=np.uint8)
+    for w0 in range(0, masks.shape[0], _MASK_BITS):
+        chunk = masks[w0:w0 + _MASK_BITS]
+        word = np.zeros((1, *chunk.shape[1:]), dtype=np.uint32)
+        for bit, channel in enumerate(chunk):
+            word[0] |= (channel != 0).astype(np.uint32) << np.uint32(bit)
+        moved = resample(word, matrix, shape, shift, order=0, cval=0.0)[0]
+        for bit in range(len(chunk)):
+            out[w0 + bit] = (moved >> np.uint32(bit)) & np.uint32(1)
     return out
 
 

@@ -41,6 +41,7 @@ from torchtitan.datasets.augment import (
     draw_plan,
     read_shape,
     resample,
+    resample_masks,
     resample_matrix,
 )
 from torchtitan.datasets.cellmap import (
@@ -243,12 +244,15 @@ class _SampleDataset(Dataset):
             read_origin = grid_origin_snapped(level, self.voxel_size,
                                               centre - big * self.voxel_size / 2)
             shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
-            arrays = {}
-            for k, a in reader(read_origin, tuple(int(b) for b in big)).items():
-                order, cval = (1, -1.0) if k == "image" else (0, 0.0)
-                arrays[k] = resample(to_frame(a), matrix, out_shape, shift[keep], order, cval)
-                if k != "image":  # nearest of 0/1 masks: exact, back to uint8
-                    arrays[k] = arrays[k].astype(np.uint8)
+            read = reader(read_origin, tuple(int(b) for b in big))
+            read = {k: to_frame(a) for k, a in read.items()}
+            arrays = {"image": resample(read.pop("image"), matrix, out_shape, shift[keep],
+                                        order=1, cval=-1.0)}
+            if read:  # every 0/1 mask (targets, validity) in one packed nearest resampling
+                moved = resample_masks(np.concatenate(list(read.values())), matrix, out_shape,
+                                       shift[keep])
+                splits = np.cumsum([a.shape[0] for a in read.values()])[:-1]
+                arrays.update(zip(read, np.split(moved, splits)))
         return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
 
     def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
