@@ -48,10 +48,12 @@ def _children(pid: int) -> list[int]:
     return out + [g for c in out for g in _children(c)]
 
 
-def tree_cpu_seconds() -> float:
-    """User + system CPU seconds of this process and its live workers (as bench/data_loader.py)."""
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (default: this one) and its live descendants,
+    all threads. Standard library only: bench/data_loader.py imports it from here."""
+    pid = os.getpid() if pid is None else pid
     total = 0.0
-    for p in [os.getpid(), *_children(os.getpid())]:
+    for p in [pid, *_children(pid)]:
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()

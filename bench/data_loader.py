@@ -65,6 +65,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# Process-tree CPU accounting, shared with the cellmap-data side (standard library only there).
+from cellmap_data_loader import _children, tree_cpu_seconds  # noqa: E402
+
 # ---------------------------------------------------------------------------------------------
 # The benchmark store
 # ---------------------------------------------------------------------------------------------
@@ -196,20 +199,6 @@ def our_loader(cfg, samples, start_step: int = 0):
 
     return build_loader(samples, cfg.training.batch_size, dp_rank=0, dp_degree=1,
                         start_step=start_step, num_workers=cfg.data.num_workers)
-
-
-def tree_cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU seconds of a process and its live descendants, all threads."""
-    pid = os.getpid() if pid is None else pid
-    total = 0.0
-    for p in [pid, *_children(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 def time_batches(batches, skip: int, n: int) -> tuple[float, float]:
@@ -345,17 +334,6 @@ def run_cellmap(samples, crops, args, repeat: int) -> tuple[tuple[float, float] 
 # ---------------------------------------------------------------------------------------------
 # Memory over a long run
 # ---------------------------------------------------------------------------------------------
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out + [g for c in out for g in _children(c)]
 
 
 def _kib(path: str, key: str) -> int:
