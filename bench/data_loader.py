@@ -24,6 +24,9 @@ alternating their order over --repeats and reporting the median:
            EM and of every class, in a pool of --workers processes that only read (nothing
            is converted, augmented or sent back). Origins are drawn like the training
            sampler draws them: a crop uniformly, then a voxel-aligned origin uniformly inside it.
+  raw[chunks]  the same reads through torchtitan.datasets.zarr_chunks, the chunk reader
+           ours uses instead of zarr-python (it decodes the chunk files with the same
+           numcodecs codecs); ours / raw[chunks] is what everything but reading costs.
   cellmap  cellmap-data (the official loader) on the same crops, classes, crop size, voxel
            size, batch size and workers, with its mirror + transpose augmentation, run by
            bench/cellmap_data_loader.py under --cellmap-python (a separate environment,
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -234,15 +238,23 @@ def run_ours(cfg, samples, args, repeat: int) -> tuple[float, float]:
 # Raw zarr reads of the same crops
 # ---------------------------------------------------------------------------------------------
 
-_ARRAYS: dict[str, object] = {}
+_ARRAYS: dict[tuple[str, bool], object] = {}
 
 
-def _array(path: str):
-    arr = _ARRAYS.get(path)
+def _array(path: str, direct: bool = False):
+    """zarr-python's handle, or with ``direct`` the chunk reader our loader uses."""
+    arr = _ARRAYS.get((path, direct))
     if arr is None:
-        import zarr
+        if direct:
+            from torchtitan.datasets.zarr_chunks import open_fast
 
-        arr = _ARRAYS[path] = zarr.open_array(path, mode="r")
+            arr = open_fast(path)
+            assert arr is not None, f"{path}: not readable by zarr_chunks"
+        else:
+            import zarr
+
+            arr = zarr.open_array(path, mode="r")
+        _ARRAYS[(path, direct)] = arr
     return arr
 
 
@@ -276,25 +288,26 @@ def raw_draws(samples, crops, classes, n: int, seed: int, crop: int) -> list[lis
     return draws
 
 
-def _read_sample(reads) -> int:
+def _read_sample(reads, direct: bool = False) -> int:
     nbytes = 0
     for path, box in reads:
-        data = _array(path)[box]
+        data = _array(path, direct)[box]
         assert data.shape == tuple(s.stop - s.start for s in box), (path, box, data.shape)
         nbytes += data.nbytes
     return nbytes
 
 
-def run_raw(draws, args) -> tuple[float, float]:
+def run_raw(draws, args, direct: bool = False) -> tuple[float, float]:
     per_batch = [draws[i:i + args.batch_size] for i in range(0, len(draws), args.batch_size)]
     ctx = mp.get_context("fork")
+    read = functools.partial(_read_sample, direct=direct)
     if args.workers == 0:
-        results = (sum(_read_sample(r) for r in b) for b in per_batch)
+        results = (sum(read(r) for r in b) for b in per_batch)
         timed = time_batches(results, args.skip, args.batches)
     else:
         with ctx.Pool(args.workers) as pool:
             # One task per sample, in order, like loader workers taking batches in turn.
-            flat = pool.imap(_read_sample, [r for b in per_batch for r in b], chunksize=1)
+            flat = pool.imap(read, [r for b in per_batch for r in b], chunksize=1)
 
             def batches():
                 while True:
@@ -442,8 +455,14 @@ def run_profile(samples, n: int, draws) -> None:
     for reads in draws[1:n + 1]:
         _read_sample(reads)
     raw = time.process_time() - start
+    _read_sample(draws[0], direct=True)
+    start = time.process_time()
+    for reads in draws[1:n + 1]:
+        _read_sample(reads, direct=True)
+    direct = time.process_time() - start
     print(f"one process, {n} samples, CPU time: ours {ours / n * 1e3:.0f} ms/sample (profiled), "
-          f"raw zarr reads {raw / n * 1e3:.0f} ms/sample (raw / ours = {raw / ours:.2f})")
+          f"raw zarr reads {raw / n * 1e3:.0f} ms/sample (raw / ours = {raw / ours:.2f}), "
+          f"the same reads by zarr_chunks {direct / n * 1e3:.0f} ms/sample")
     stats = pstats.Stats(profile).sort_stats("tottime")
     stats.print_stats(18)
 
@@ -501,17 +520,17 @@ def main() -> None:
                                                      args.profile + 1, args.seed, args.crop))
         return
 
-    readers = ["raw", *[f"ours[{a}]" for a in augments]]
+    readers = ["raw", "raw[chunks]", *[f"ours[{a}]" for a in augments]]
     readers += ["cellmap"] if args.cellmap_python else []
     rates: dict[str, list[float]] = {r: [] for r in readers}
     failures = {}
     for repeat in range(args.repeats):
         order = readers if repeat % 2 == 0 else readers[::-1]
         for reader in order:
-            if reader == "raw":
+            if reader.startswith("raw"):
                 draws = raw_draws(samples, crops, args.classes, n_draws, args.seed + 1000 + repeat,
                                   args.crop)
-                rates[reader].append(run_raw(draws, args))
+                rates[reader].append(run_raw(draws, args, direct=reader == "raw[chunks]"))
             elif reader.startswith("ours"):
                 cfg_a, samples_a = built[reader[5:-1]]
                 rates[reader].append(run_ours(cfg_a, samples_a, args, repeat))
@@ -535,8 +554,10 @@ def main() -> None:
         print("  cellmap augmentation: mirror z/y/x, transpose (random permutation of the axes)")
     print("  Mvoxel/CPU-s: voxels per CPU-second of the main process and its workers (the rate "
           "per fully used core; robust to other load)")
+    print("  raw[chunks]: the raw reads through torchtitan.datasets.zarr_chunks, the reader ours "
+          "uses (ours / raw[chunks] is the cost of everything but reading)")
     print(f"{'reader':12s} {'Mvoxel/s':>19s} {'Mvoxel/CPU-s':>19s} {'ours/raw':>9s} "
-          f"{'ours/cellmap':>13s}")
+          f"{'ours/raw[chunks]':>17s} {'ours/cellmap':>13s}")
     med = {r: [statistics.median(x[i] for x in rates[r]) for i in (0, 1)]
            for r in readers if rates[r]}
     for reader in readers:
@@ -549,8 +570,10 @@ def main() -> None:
             cells.append(f"{med[reader][i] / 1e6:6.2f} ({min(vals):5.2f}-{max(vals):5.2f})")
         ratio = lambda other: "/".join(f"{med[reader][i] / med[other][i]:.2f}" for i in (0, 1))
         vs_raw = ratio("raw") if reader.startswith("ours") else "-"
+        vs_chunks = ratio("raw[chunks]") if reader.startswith("ours") and "raw[chunks]" in med else "-"
         vs_cm = ratio("cellmap") if reader.startswith("ours") and "cellmap" in med else "-"
-        print(f"{reader:12s} {cells[0]:>19s} {cells[1]:>19s} {vs_raw:>9s} {vs_cm:>13s}")
+        print(f"{reader:12s} {cells[0]:>19s} {cells[1]:>19s} {vs_raw:>9s} {vs_chunks:>17s} "
+              f"{vs_cm:>13s}")
     print("ratios: wall / CPU; targets: ours / raw at least 0.8, ours / cellmap at least 2")
 
 

@@ -41,7 +41,6 @@ from torchtitan.datasets.augment import (
     draw_plan,
     read_shape,
     resample,
-    resample_masks,
     resample_matrix,
 )
 from torchtitan.datasets.cellmap import (
@@ -55,7 +54,14 @@ from torchtitan.datasets.cellmap import (
     read_linear,
 )
 from torchtitan.datasets.classes import check_class_names
-from torchtitan.datasets.targets import annotates, read_target
+from torchtitan.datasets.targets import (
+    annotates,
+    compose_targets,
+    groups_to_read,
+    read_raw,
+    read_target,
+    unknown_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,13 +224,17 @@ class _SampleDataset(Dataset):
         return tuple(a for a in range(3) if self.ndim == 3 or a != normal)
 
     def _geometry(self, rng: np.random.Generator, level: ScaleLevel, origin, normal: int,
-                  reader: Callable[[np.ndarray, tuple], dict[str, np.ndarray]]):
+                  reader: Callable[[np.ndarray, tuple], dict[str, np.ndarray]],
+                  fills: dict[str, float] | None = None):
         """Draw the augmentation plan and read the box at ``origin`` with it applied.
 
         ``reader(origin, shape)`` returns 3D arrays (C, D, H, W); ``image`` is interpolated
-        linearly, every other array by nearest neighbour. Returns the arrays in the sample's
-        frame (C, *crop_size), the plan and the frame's voxel size.
+        linearly, every other array by nearest neighbour (positions outside the read box, which
+        is made large enough to have none, would read ``fills[key]``, default 0). Returns the
+        arrays in the sample's frame (C, *crop_size), possibly as strided views (flips and
+        transposes are not copied), the plan and the frame's voxel size.
         """
+        fills = fills or {}
         box = self._box(normal)
         keep = list(self._frame(normal))
         vox = self.voxel_size[keep]
@@ -246,13 +256,9 @@ class _SampleDataset(Dataset):
             shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
             read = reader(read_origin, tuple(int(b) for b in big))
             read = {k: to_frame(a) for k, a in read.items()}
-            arrays = {"image": resample(read.pop("image"), matrix, out_shape, shift[keep],
-                                        order=1, cval=-1.0)}
-            if read:  # every 0/1 mask (targets, validity) in one packed nearest resampling
-                moved = resample_masks(np.concatenate(list(read.values())), matrix, out_shape,
-                                       shift[keep])
-                splits = np.cumsum([a.shape[0] for a in read.values()])[:-1]
-                arrays.update(zip(read, np.split(moved, splits)))
+            arrays = {k: resample(a, matrix, out_shape, shift[keep], order=1 if k == "image" else 0,
+                                  cval=-1.0 if k == "image" else fills.get(k, 0))
+                      for k, a in read.items()}
         return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
 
     def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
@@ -334,13 +340,24 @@ class SegmentationSamples(_SampleDataset):
     def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
         """EM (normalised float32, or uint8 with ``raw_em``), targets and validity (uint8 0/1)
         of one box of the training grid (3D arrays)."""
+        return self._compose(crop, self._read_stored(crop, origin, shape, raw_em))
+
+    def _read_stored(self, crop: LabelCrop, origin, shape, raw_em: bool) -> dict[str, np.ndarray]:
+        """EM and the stored values of every label group the classes need (``label:<group>``,
+        (1, *shape) each; outside the crop they read as the group's unknown value)."""
         source = self.by_name[crop.dataset]
         image, _ = self.read_em(source, origin, shape, raw=raw_em)
-        target = np.empty((len(self.classes), *shape), dtype=np.uint8)
-        valid = np.empty_like(target)
-        for k, cls in enumerate(self.classes):
-            target[k], valid[k] = read_target(crop, cls, origin, self.voxel_size, shape)
-        return {"image": image[None], "target": target, "valid": valid}
+        arrays = {"image": image[None]}
+        for g in groups_to_read(crop, self.classes):
+            arrays[f"label:{g}"] = read_raw(crop, g, origin, self.voxel_size, shape)[None]
+        return arrays
+
+    def _compose(self, crop: LabelCrop, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Replace the ``label:<group>`` arrays by the targets and validity of the classes."""
+        raw = {k[6:]: a[0] for k, a in arrays.items() if k.startswith("label:")}
+        shape = arrays["image"].shape[1:]
+        target, valid = compose_targets(crop, self.classes, raw, shape)
+        return {"image": arrays["image"], "target": target, "valid": valid}
 
     # -- where ------------------------------------------------------------------------------------
 
@@ -415,9 +432,14 @@ class SegmentationSamples(_SampleDataset):
             origin = self._uniform_origin(rng, crop, box)
         level = self._em_level(self.by_name[crop.dataset])
         origin = grid_origin_snapped(level, self.voxel_size, origin)
-        arrays, plan, vox = self._geometry(rng, level, origin, normal,
-                                           lambda o, s: self.read(crop, o, s, self.em_uint8))
-        return self._finish(arrays, plan, vox, rng)
+        # Labels are read, resampled and flipped as stored values, and turned into targets
+        # afterwards: nearest-neighbour moves commute with that voxel-wise function, and the
+        # targets are then written once, contiguously, from the moved (strided) values.
+        fills = {f"label:{g}": unknown_value(crop, g) for g in groups_to_read(crop, self.classes)}
+        arrays, plan, vox = self._geometry(
+            rng, level, origin, normal,
+            lambda o, s: self._read_stored(crop, o, s, self.em_uint8), fills)
+        return self._finish(self._compose(crop, arrays), plan, vox, rng)
 
 
 class MAESamples(_SampleDataset):

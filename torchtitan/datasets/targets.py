@@ -38,6 +38,11 @@ def _encoding(crop: LabelCrop, group: str) -> tuple[int, int]:
     return int(enc.get("absent", 0)), int(enc.get("unknown", UNKNOWN))
 
 
+def unknown_value(crop: LabelCrop, group: str) -> int:
+    """The value that marks unknown voxels in ``group`` (also what reads outside the crop)."""
+    return _encoding(crop, group)[1]
+
+
 def read_raw(crop: LabelCrop, group: str, origin, voxel_size, shape) -> np.ndarray:
     """Stored values of one class group on the grid; outside the crop they read as unknown."""
     _, unknown = _encoding(crop, group)
@@ -67,22 +72,61 @@ def annotates(crop: LabelCrop, cls: str) -> bool:
     return target_groups(crop, cls) is not None
 
 
+def groups_to_read(crop: LabelCrop, classes) -> list[str]:
+    """Every group of ``crop`` the targets of ``classes`` need, each once, in first-use order."""
+    seen: dict[str, None] = {}
+    for cls in classes:
+        for g in target_groups(crop, cls) or ():
+            seen.setdefault(g, None)
+    return list(seen)
+
+
+def compose_targets(crop: LabelCrop, classes, raw: dict[str, np.ndarray],
+                    shape) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 0/1 (target, valid) of shape (K, *shape) for ``classes``, from the stored values
+    ``raw[group]`` of the groups :func:`groups_to_read` names (see the module docstring).
+
+    Targets are a voxel-wise function of the stored values, so they can be composed after any
+    nearest-neighbour resampling, flip or transpose of ``raw`` (which may be strided views):
+    each output is written once, contiguously.
+    """
+    target = np.empty((len(classes), *shape), dtype=np.uint8)
+    valid = np.empty_like(target)
+    contiguous: dict[str, np.ndarray] = {}
+    for k, cls in enumerate(classes):
+        t, v = target[k].view(bool), valid[k].view(bool)
+        groups = target_groups(crop, cls)
+        if groups is None:
+            t[...] = False
+            v[...] = False
+            continue
+        for i, g in enumerate(groups):
+            absent, unknown = _encoding(crop, g)
+            # One copy first: numpy runs a ufunc in the output's order, and for a view whose
+            # last axis is not contiguous (a 90 degree rotation through z) every comparison
+            # would hop across the whole source.
+            if g not in contiguous:
+                contiguous[g] = np.ascontiguousarray(raw[g])
+            r = contiguous[g]
+            if i == 0:
+                np.not_equal(r, unknown, out=v)
+                np.not_equal(r, absent, out=t)
+                t &= v
+                continue
+            vg = r != unknown
+            t |= vg & (r != absent)
+            v &= vg
+        if len(groups) > 1:  # present in one part: the union is present whatever the others say
+            v |= t
+    return target, valid
+
+
 def read_target(crop: LabelCrop, cls: str, origin, voxel_size,
                 shape) -> tuple[np.ndarray, np.ndarray]:
     """Boolean (target, valid) of one class on the grid (see the module docstring)."""
-    groups = target_groups(crop, cls)
-    if groups is None:
-        empty = np.zeros(tuple(shape), dtype=bool)
-        return empty, empty.copy()
-    target = valid = None
-    for g in groups:
-        absent, unknown = _encoding(crop, g)
-        raw = read_raw(crop, g, origin, voxel_size, shape)
-        v = raw != unknown
-        t = v & (raw != absent)
-        target = t if target is None else target | t
-        valid = v if valid is None else valid & v
-    return target, valid | target
+    raw = {g: read_raw(crop, g, origin, voxel_size, shape) for g in groups_to_read(crop, [cls])}
+    target, valid = compose_targets(crop, [cls], raw, tuple(shape))
+    return target[0].view(bool), valid[0].view(bool)
 
 
 def read_instance_ids(crop: LabelCrop, cls: str, origin, voxel_size, shape) -> np.ndarray | None:
