@@ -331,7 +331,43 @@ def test_intensity_augmentations_touch_em_only(em_labels):
     for g in range(6):
         x, y = a[g], b[g]
         assert torch.equal(x["target"], y["target"]) and torch.equal(x["valid"], y["valid"])
+        # The changes are drawn with the sample and made on the device.
+        assert torch.equal(x["image"], y["image"]) and "intensity" in y and "intensity" not in x
+        x, y = batch_to_device(x, "cpu"), batch_to_device(y, "cpu")
+        assert "intensity" not in y and "noise_seed" not in y
+        assert torch.equal(x["target"], y["target"]) and torch.equal(x["valid"], y["valid"])
         assert not torch.allclose(x["image"], y["image"], atol=1e-3)
+
+
+@pytest.mark.parametrize("spatial", [(5, 12, 10), (12, 10)])
+def test_device_intensity_changes(spatial):
+    """The batched torch intensity changes equal the same formulas in numpy and scipy (blur:
+    scipy's gaussian_filter, mode nearest), and each sample comes out the same whether it is
+    changed alone or in a batch; the noise follows the sample's seed."""
+    from torchtitan.datasets.augment import BLUR_TRUNCATE, apply_intensity
+
+    rng = np.random.default_rng(0)
+    image = torch.from_numpy(rng.uniform(-1, 1, (3, 1, *spatial)).astype(np.float32))
+    sig = [0.0, 0.8, 1.3] if len(spatial) == 3 else [0.0, 0.0, 0.9]
+    rows = torch.tensor([[1.2, 0.8, 0.0, *sig],
+                         [1.0, 1.0, 0.1, 0.0, 0.0, 0.0],
+                         [0.9, 1.1, 0.1, *sig]], dtype=torch.float32)
+    seeds = torch.tensor([0, 7, 8])
+    out = apply_intensity(image, rows, seeds)
+    # Sample 0: gamma, contrast and blur, no noise, against numpy / scipy.
+    x = image[0].numpy().astype(np.float64)
+    x = 2 * np.clip((x + 1) / 2, 0, 1) ** 1.2 - 1
+    x = (x - x.mean()) * 0.8 + x.mean()
+    x[0] = ndi.gaussian_filter(x[0], sig[3 - len(spatial):], mode="nearest", truncate=BLUR_TRUNCATE)
+    np.testing.assert_allclose(out[0].numpy(), x, atol=1e-5)
+    # Alone or batched, the same; another seed, other noise.
+    for b in range(3):
+        alone = apply_intensity(image[b:b + 1], rows[b:b + 1], seeds[b:b + 1])[0]
+        assert torch.equal(alone, out[b])
+    noise1 = out[1] - image[1]
+    assert 0.08 < float(noise1.std()) < 0.12
+    again = apply_intensity(image[1:2], rows[1:2], torch.tensor([8]))[0]
+    assert not torch.allclose(again, out[1])
 
 
 def test_zyx_planes_cut_every_orientation(tmp_path):
@@ -497,10 +533,11 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim):
     write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (8, 8, 8))
     (src,) = discover(tmp_path)
     crop_size = (16, 16) if ndim == 2 else (8, 16, 16)
+    aug = AugmentParams(rot90=True, contrast=0.2, gamma=0.2, noise_std=0.05, blur_sigma=1.0)
     fast = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
-                               augmentation=AugmentParams(rot90=True))
+                               augmentation=aug)
     slow = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
-                               augmentation=AugmentParams(rot90=True))
+                               augmentation=aug)
     slow.em_uint8 = False
     assert fast.em_uint8
     for g in range(6):
@@ -510,9 +547,7 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim):
         a, b = batch_to_device(a, "cpu"), batch_to_device(b, "cpu")
         for key in ("image", "target", "valid"):
             assert a[key].dtype == torch.float32 and torch.equal(a[key], b[key]), key
-    # Interpolating augmentations, intensity changes or an EM level off the grid: float EM.
-    assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
-                                   augmentation=AugmentParams(contrast=0.1)).em_uint8
+    # Interpolating augmentations or an EM level off the grid: float EM.
     assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
                                    augmentation=AugmentParams(rotate_deg=10)).em_uint8
     assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 4), crop_size, seed=3).em_uint8

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from torchtitan.datasets import cellmap
+from torchtitan.datasets.augment import apply_intensity
 from torchtitan.datasets.cellmap import (
     DatasetError,
     EMSource,
@@ -72,7 +73,10 @@ def _worker_init(worker_id: int) -> None:
 def batch_to_device(batch: dict, device) -> dict:
     """Move a batch to ``device`` and make model inputs of it: raw uint8 EM is normalised
     there exactly as ``samples.normalize_em`` does on the host, uint8 masks become float32.
-    Shipping uint8 from the loader workers moves a quarter of the bytes."""
+    Shipping uint8 from the loader workers moves a quarter of the bytes. Samples drawn with
+    intensity augmentation get it here (``augment.apply_intensity``), where it is cheap."""
+    batch = dict(batch)
+    intensity, noise_seed = batch.pop("intensity", None), batch.pop("noise_seed", None)
     out = {}
     for key, value in batch.items():
         value = value.to(device, non_blocking=True)
@@ -81,6 +85,11 @@ def batch_to_device(batch: dict, device) -> dict:
         elif value.dtype in (torch.uint8, torch.bool):
             value = value.float()
         out[key] = value
+    if intensity is not None:
+        if intensity.dim() == 1:  # a single sample, not a batch
+            out["image"] = apply_intensity(out["image"][None], intensity[None], noise_seed[None])[0]
+        else:
+            out["image"] = apply_intensity(out["image"], intensity, noise_seed)
     return out
 
 

@@ -16,7 +16,8 @@ One sample is made in four steps:
 2. *Augmentation plan* (``augment.py``), drawn next.
 3. *Read*: EM, targets and validity (``targets.py``) of the box, or of a larger box around
    it when the plan rotates or zooms, which is then resampled onto the sample grid.
-4. Flips, 90 degree rotations, transposes, then intensity changes on EM only.
+4. Flips, 90 degree rotations, transposes. Intensity changes (EM only) are drawn here and
+   made on the device by ``loader.batch_to_device``.
 
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
 ``(seed, g, attempt)``; the item's ``resampled`` entry counts the replacements.
@@ -37,8 +38,8 @@ from torchtitan.datasets.augment import (
     NO_AUGMENTATION,
     AugmentParams,
     apply_flips,
-    apply_intensity,
     draw_plan,
+    intensity_params,
     read_shape,
     resample,
     resample_matrix,
@@ -179,8 +180,9 @@ class _SampleDataset(Dataset):
 
     def _ships_raw_em(self, sources: list[EMSource]) -> bool:
         """Whether samples can carry EM as raw uint8 (normalised on the device): every EM level
-        read lies on the training grid, and no augmentation interpolates or changes values."""
-        if self.aug.intensity or self.aug.rotate_deg > 0 or self.aug.scale > 0:
+        read lies on the training grid, and no augmentation interpolates (intensity changes
+        run on the device, after normalisation)."""
+        if self.aug.rotate_deg > 0 or self.aug.scale > 0:
             return False
         return all(np.allclose(self._em_level(s).scale, self.voxel_size, rtol=1e-6)
                    for s in sources)
@@ -262,9 +264,10 @@ class _SampleDataset(Dataset):
         return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
 
     def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
-        if self.aug.intensity:
-            arrays["image"] = apply_intensity(arrays["image"], plan, self.aug, rng, vox)
-        return _to_tensors(arrays)
+        out = _to_tensors(arrays)
+        if self.aug.intensity:  # applied on the device by loader.batch_to_device
+            out.update(intensity_params(plan, self.aug, vox, rng))
+        return out
 
     # -- items ------------------------------------------------------------------------------------
 
@@ -295,8 +298,9 @@ class SegmentationSamples(_SampleDataset):
 
     Item ``g`` is a dict: ``image`` (1, *crop) (float32, or raw uint8 when ``em_uint8``),
     ``target`` and ``valid`` (K, *crop) uint8, ``index`` (the global sample index) and
-    ``resampled`` (replacements after read errors). ``loader.batch_to_device`` turns a batch
-    into float32 model inputs.
+    ``resampled`` (replacements after read errors); with intensity augmentation also
+    ``intensity`` and ``noise_seed`` (what was drawn for it). ``loader.batch_to_device`` turns
+    a batch into float32 model inputs and makes the intensity changes.
     """
 
     def __init__(
@@ -446,7 +450,8 @@ class MAESamples(_SampleDataset):
     """Random EM crops anywhere inside the EM volumes (no labels needed).
 
     Item ``g``: ``image`` (1, *crop), ``valid`` (1, *crop) (0 where the crop leaves the
-    volume: padding, excluded from the loss), ``index``, ``resampled``, and with
+    volume: padding, excluded from the loss), ``index``, ``resampled``, with intensity
+    augmentation ``intensity`` and ``noise_seed`` (see :class:`SegmentationSamples`), and with
     ``num_patches`` > 0 the MAE masking ``noise`` (num_patches,), drawn from the sample's own
     generator. With ``foreground_threshold`` > 0 the place is redrawn (from the same generator,
     up to FOREGROUND_DRAWS times, keeping the best) until that fraction of the EM is non-zero.

@@ -31,7 +31,7 @@ from torchtitan.datasets.augment import (
     NO_AUGMENTATION,
     AugmentParams,
     apply_flips,
-    apply_intensity,
+    intensity_params,
     draw_plan,
     read_shape,
     resample,
@@ -262,10 +262,10 @@ class SliceSamples(Dataset):
                 window = _window(a.astype(np.float32), big_start, tuple(big), float(fills[k]))
                 out[k] = resample(window, matrix, self.crop_size, shift, order, float(fills[k]))
         out = {k: apply_flips(a, plan) for k, a in out.items()}
-        if self.aug.intensity:
-            out["image"] = apply_intensity(out["image"], plan, self.aug, rng, vox)
         sample = {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
                   for k, a in out.items()}
+        if self.aug.intensity:  # applied on the device by loader.batch_to_device
+            sample.update(intensity_params(plan, self.aug, vox, rng))
         sample["index"] = torch.tensor(index, dtype=torch.int64)
         sample["resampled"] = torch.tensor(0, dtype=torch.int64)
         return sample
