@@ -169,6 +169,10 @@ def test_segmentation_losses_match_single_process_with_compile(single, demo_data
 
 # -- the other configs: 3D segmentation and 2D MAE ---------------------------------------------
 SEG3D = "train_configs/debug_segmentation_3d.toml"
+ALL_AUGMENTATIONS = ["--augmentation.rot90", "--augmentation.rotate_deg", "30",
+                     "--augmentation.scale", "0.1", "--augmentation.contrast", "0.2",
+                     "--augmentation.gamma", "0.2", "--augmentation.noise_std", "0.05",
+                     "--augmentation.blur_sigma", "1.0", "--data.num_workers", "2"]
 MAE2D = "train_configs/debug_mae_2d.toml"
 OTHER_CASES = {
     "seg3d_fsdp2_ac_full": (SEG3D, 2, AC_FULL, []),
@@ -185,6 +189,9 @@ OTHER_CASES = {
     "mae2d_fsdp2": pytest.param(MAE2D, 2, [], [], marks=slow),
     "mae2d_tp2_ac_full": pytest.param(MAE2D, 2, [*TP2, *AC_FULL], DEBUG, marks=slow),
     "mae2d_compile_single": pytest.param(MAE2D, 0, ["--training.compile"], [], marks=slow),
+    # Every augmentation, with loader workers: intensity changes are made per sample on the
+    # device, so the split of the batch does not matter either.
+    "seg2d_ddp2_all_augmentations": (SEG, 2, DDP2, ALL_AUGMENTATIONS),
 }
 
 
