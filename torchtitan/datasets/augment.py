@@ -1,5 +1,6 @@
-"""Training augmentations: geometric ones applied alike to EM, targets and validity masks,
-intensity ones to EM only. Every parameter is drawn from the sample's own generator.
+"""Training augmentations: geometric ones applied alike to EM and labels, intensity ones to EM
+only (drawn with the sample, made on the device by :func:`apply_intensity`). Every parameter
+is drawn from the sample's own generator.
 
 Arrays here are (C, *spatial) in the sample's frame: (C, H, W) for 2D samples (whatever
 plane they were cut from) and (C, D, H, W) for 3D. ``vox`` is the frame's voxel size in nm.
