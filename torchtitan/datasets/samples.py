@@ -14,10 +14,11 @@ One sample is made in four steps:
    With ``min_label_fraction`` < 1 the box may leave the label crop as long as that fraction
    of it stays inside (EM context is real; labels outside the crop are invalid).
 2. *Augmentation plan* (``augment.py``), drawn next.
-3. *Read*: EM, targets and validity (``targets.py``) of the box, or of a larger box around
-   it when the plan rotates or zooms, which is then resampled onto the sample grid.
-4. Flips, 90 degree rotations, transposes. Intensity changes (EM only) are drawn here and
-   made on the device by ``loader.batch_to_device``.
+3. *Read*: EM and the stored label values of the box, or of a larger box around it when the
+   plan rotates or zooms, which is then resampled onto the sample grid.
+4. Flips, 90 degree rotations, transposes; then targets and validity (``targets.py``) from
+   the moved label values. Intensity changes (EM only) are drawn here and made on the device
+   by ``loader.batch_to_device``.
 
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
 ``(seed, g, attempt)``; the item's ``resampled`` entry counts the replacements.
@@ -344,15 +345,17 @@ class SegmentationSamples(_SampleDataset):
     def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
         """EM (normalised float32, or uint8 with ``raw_em``), targets and validity (uint8 0/1)
         of one box of the training grid (3D arrays)."""
-        return self._compose(crop, self._read_stored(crop, origin, shape, raw_em))
+        groups = groups_to_read(crop, self.classes)
+        return self._compose(crop, self._read_stored(crop, groups, origin, shape, raw_em))
 
-    def _read_stored(self, crop: LabelCrop, origin, shape, raw_em: bool) -> dict[str, np.ndarray]:
+    def _read_stored(self, crop: LabelCrop, groups: list[str], origin, shape,
+                     raw_em: bool) -> dict[str, np.ndarray]:
         """EM and the stored values of every label group the classes need (``label:<group>``,
         (1, *shape) each; outside the crop they read as the group's unknown value)."""
         source = self.by_name[crop.dataset]
         image, _ = self.read_em(source, origin, shape, raw=raw_em)
         arrays = {"image": image[None]}
-        for g in groups_to_read(crop, self.classes):
+        for g in groups:
             arrays[f"label:{g}"] = read_raw(crop, g, origin, self.voxel_size, shape)[None]
         return arrays
 
@@ -439,10 +442,11 @@ class SegmentationSamples(_SampleDataset):
         # Labels are read, resampled and flipped as stored values, and turned into targets
         # afterwards: nearest-neighbour moves commute with that voxel-wise function, and the
         # targets are then written once, contiguously, from the moved (strided) values.
-        fills = {f"label:{g}": unknown_value(crop, g) for g in groups_to_read(crop, self.classes)}
+        groups = groups_to_read(crop, self.classes)
+        fills = {f"label:{g}": unknown_value(crop, g) for g in groups}
         arrays, plan, vox = self._geometry(
             rng, level, origin, normal,
-            lambda o, s: self._read_stored(crop, o, s, self.em_uint8), fills)
+            lambda o, s: self._read_stored(crop, groups, o, s, self.em_uint8), fills)
         return self._finish(self._compose(crop, arrays), plan, vox, rng)
 
 
