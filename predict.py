@@ -24,7 +24,7 @@ import sys
 from torchtitan.checkpoint import CheckpointError
 from torchtitan.config_manager import ConfigError
 from torchtitan.datasets.cellmap import DatasetError
-from torchtitan.metrics import setup_logging
+from torchtitan.metrics import report_user_error, setup_logging
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,8 +67,7 @@ def main(argv=None) -> int:
     try:
         written = predict_regions(args)
     except (ConfigError, DatasetError, CheckpointError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        report_user_error(e, rank)
         return 2
     if rank == 0:
         for path in written:

@@ -152,6 +152,36 @@ def _fails_with(result, *fragments):
     assert err.count("error:") == 1, err[-4000:]
 
 
+_ERROR_SCRIPT = """
+import os, sys, time
+from torchtitan.metrics import report_user_error
+
+rank = int(os.environ["RANK"])
+delay = float(sys.argv[1 + rank])  # seconds before this rank fails; < 0: it never fails
+if delay < 0:
+    time.sleep(120)
+    sys.exit(0)
+time.sleep(delay)
+report_user_error(ValueError(f"bad value seen by rank {rank}"), rank, grace_s=5.0)
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("delays, expected", [
+    # Rank 1 fails first: rank 0's message still gets out before torchrun stops the job.
+    (("1.0", "0"), "error: bad value seen by rank 0"),
+    # Only rank 1 fails: after the grace it reports the error itself.
+    (("-1", "0"), "error (rank 1): bad value seen by rank 1"),
+])
+def test_user_error_is_printed_once_whichever_rank_fails_first(tmp_path, delays, expected):
+    script = tmp_path / "fail.py"
+    script.write_text(_ERROR_SCRIPT)
+    r = launch(str(script), list(delays), timeout=300)
+    assert r.returncode != 0
+    assert expected in r.stderr, r.stderr[-4000:]
+    assert r.stderr.count("bad value seen") == 1, r.stderr[-4000:]
+
+
 def test_bad_input_missing_dataset_path(tmp_path):
     r = launch("train_segmentation.py", _seg_args(tmp_path / "nowhere", tmp_path / "d"), timeout=300)
     _fails_with(r, "data.dataset_path", "nowhere", "does not exist")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -104,3 +105,23 @@ def setup_logging(rank: int) -> None:
         force=True,
     )
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+# How long a rank other than 0 waits before reporting a user error of its own.
+USER_ERROR_GRACE_S = 10.0
+
+
+def report_user_error(error: Exception, rank: int, grace_s: float = USER_ERROR_GRACE_S) -> None:
+    """Print a configuration or dataset error once for the whole job.
+
+    Such errors are found before any process group exists, and usually by every rank alike
+    (same config, same data). Rank 0 prints at once. Another rank first waits ``grace_s``:
+    when rank 0 failed too, its message is out by then and the launcher has stopped this
+    rank; when rank 0 did not fail, the error is this rank's own and it prints it, naming
+    itself. Returning immediately would let torchrun stop rank 0 before it prints.
+    """
+    if rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return
+    time.sleep(grace_s)
+    print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ from torchtitan.checkpoint import CheckpointError, CheckpointManager, load_full_
 from torchtitan.config_manager import ConfigError, ConfigManager, JobConfig, save_config
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.datasets.loader import batch_to_device, build_loader
-from torchtitan.metrics import MetricLogger, Throughput, setup_logging
+from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.parallelisms.parallelize import (
@@ -332,8 +332,7 @@ def run(task_cls, argv: list[str] | None = None) -> int:
         task.prepare()  # reads and checks the data; no process group yet
         trainer = Trainer(cfg, task)
     except USER_ERRORS as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        report_user_error(e, rank)
         return 2
     try:
         trainer.setup()
