@@ -173,6 +173,7 @@ ALL_AUGMENTATIONS = ["--augmentation.rot90", "--augmentation.rotate_deg", "30",
                      "--augmentation.scale", "0.1", "--augmentation.contrast", "0.2",
                      "--augmentation.gamma", "0.2", "--augmentation.noise_std", "0.05",
                      "--augmentation.blur_sigma", "1.0", "--data.num_workers", "2"]
+ON_DEVICE = ["--augmentation.resample_on", "device"]
 MAE2D = "train_configs/debug_mae_2d.toml"
 OTHER_CASES = {
     "seg3d_fsdp2_ac_full": (SEG3D, 2, AC_FULL, []),
@@ -192,6 +193,10 @@ OTHER_CASES = {
     # Every augmentation, with loader workers: intensity changes are made per sample on the
     # device, so the split of the batch does not matter either.
     "seg2d_ddp2_all_augmentations": (SEG, 2, DDP2, ALL_AUGMENTATIONS),
+    # Rotation and zoom of EM made on the device too (on a GPU by default, here by choice).
+    "mae2d_ddp2_all_augmentations": (MAE2D, 2, DDP2, [*ALL_AUGMENTATIONS, *ON_DEVICE]),
+    "seg3d_fsdp2_all_augmentations": pytest.param(SEG3D, 2, [],
+                                                  [*ALL_AUGMENTATIONS, *ON_DEVICE], marks=slow),
 }
 
 

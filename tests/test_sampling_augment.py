@@ -284,7 +284,9 @@ GEOMETRIC = {  # augmentation, tolerated mean mismatch
     "rot90": (AugmentParams(rot90=True), 0.0),
     "rotate": (AugmentParams(flips=False, rotate_deg=45), 0.01),
     "zoom": (AugmentParams(flips=False, scale=0.3), 0.01),
-    "all": (AugmentParams(rot90=True, rotate_deg=180, scale=0.3), 0.01),
+    "all": (AugmentParams(rot90=True, rotate_deg=180, scale=0.3, resample_on="workers"), 0.01),
+    "all_on_device": (AugmentParams(rot90=True, rotate_deg=180, scale=0.3, resample_on="device"),
+                      0.01),
 }
 
 
@@ -300,23 +302,47 @@ def test_geometric_augmentations_move_em_and_labels_alike(em_labels, name, crop_
                                 augment=False, planes=planes)
     changed, mismatch = 0, []
     for g in range(12):
-        item = ds[g]
+        item = batch_to_device(ds[g], "cpu")  # rotation and zoom of EM happen here
         assert item["image"].shape == (1, *crop_size) == item["target"].shape
         mismatch.append(_mismatch(item))
-        changed += not torch.equal(item["image"], plain[g]["image"])
+        changed += not torch.equal(item["image"], batch_to_device(plain[g], "cpu")["image"])
     assert np.mean(mismatch) <= tolerance and max(mismatch) <= 3 * tolerance + 0.01, mismatch
     assert changed >= 6  # the augmentation did something
 
 
-def test_anisotropic_rotation_about_z_keeps_alignment(tmp_path):
+@pytest.mark.parametrize("where", ["workers", "device"])
+def test_anisotropic_rotation_about_z_keeps_alignment(tmp_path, where):
     shape = (20, 72, 72)
     em = blocky_em(shape, seed=3)
     store = make_store(tmp_path, em, scale=(16, 8, 8))
     write_labels(store, "crop1", {"mito": em > 125}, (16, 8, 8))
     (src,) = discover(tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (16, 8, 8), (6, 24, 24), seed=0,
-                             augmentation=AugmentParams(rot90=True, rotate_deg=90, scale=0.2))
+                             augmentation=AugmentParams(rot90=True, rotate_deg=90, scale=0.2,
+                                                        resample_on=where))
     assert np.mean([_mismatch(ds[g]) for g in range(8)]) <= 0.01
+
+
+@pytest.mark.parametrize("crop_size,planes", [((16, 16), "zyx"), ((8, 16, 16), "z")])
+def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path, crop_size,
+                                                                        planes):
+    """The same sample, its EM interpolated in the loader worker or on the device: the same
+    model inputs (to float32 rounding), the same targets and validity."""
+    em = smooth_em((32, 64, 64))
+    store = make_store(tmp_path, em, scale=(16, 8, 8))
+    write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (16, 8, 8))
+    (src,) = discover(tmp_path)
+    made = {}
+    for where in ("workers", "device"):
+        aug = AugmentParams(rot90=True, rotate_deg=180, scale=0.2, gamma=0.2, blur_sigma=1.0,
+                            resample_on=where)
+        ds = SegmentationSamples([src], src.crops, ["mito"], (16, 8, 8), crop_size, seed=5,
+                                 augmentation=aug, planes=planes)
+        assert ds.device_geometry == (where == "device") and ds.em_uint8 == (where == "device")
+        made[where] = [batch_to_device(ds[g], "cpu") for g in range(8)]
+    for a, b in zip(made["workers"], made["device"]):
+        assert torch.equal(a["target"], b["target"]) and torch.equal(a["valid"], b["valid"])
+        torch.testing.assert_close(a["image"], b["image"], atol=1e-4, rtol=0)
 
 
 def test_intensity_augmentations_touch_em_only(em_labels):
@@ -432,13 +458,17 @@ def test_min_label_fraction_lets_samples_leave_the_crop(tmp_path):
     assert valid[4:20].all() and not valid[:4].any() and not valid[20:].any()
 
 
-def test_mae_foreground_threshold(tmp_path):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_mae_foreground_threshold(tmp_path, rotate):
     em = np.zeros((16, 64, 64), np.uint8)
-    em[:, :, 40:] = 150  # 3/8 of the volume is non-zero
+    em[:, :, 28 if rotate else 40:] = 150  # 9/16 or 3/8 of the volume is non-zero
     make_store(tmp_path, em)
     sources = discover(tmp_path)
-    plain = MAESamples(sources, (8, 8, 8), (16, 16), seed=0)
-    fg = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, foreground_threshold=0.9, num_patches=4)
+    aug = AugmentParams(rotate_deg=180 if rotate else 0, scale=0.2 if rotate else 0,
+                        resample_on="device")
+    plain = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, augmentation=aug)
+    fg = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, foreground_threshold=0.9, num_patches=4,
+                    augmentation=aug)
 
     def fraction(item):
         return float((batch_to_device(item, "cpu")["image"] > -0.99).float().mean())
@@ -523,17 +553,21 @@ def test_validation_scores_stored_instance_ids(tmp_path):
     assert by_ids["n_true"] == 2 and by_cc["n_true"] == 1
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim):
+def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim, rotate):
     """Grid-aligned EM ships as raw uint8 and masks as uint8; on the device they become
-    exactly the float32 inputs of the float path (EM normalised on the host)."""
+    exactly the float32 inputs of the float path (EM normalised on the host), rotated and
+    zoomed or not."""
     from torchtitan.datasets.loader import batch_to_device
 
     store = make_store(tmp_path, smooth_em((32, 64, 64)))
     write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (8, 8, 8))
     (src,) = discover(tmp_path)
     crop_size = (16, 16) if ndim == 2 else (8, 16, 16)
-    aug = AugmentParams(rot90=True, contrast=0.2, gamma=0.2, noise_std=0.05, blur_sigma=1.0)
+    aug = AugmentParams(rot90=True, contrast=0.2, gamma=0.2, noise_std=0.05, blur_sigma=1.0,
+                        rotate_deg=30 if rotate else 0, scale=0.2 if rotate else 0,
+                        resample_on="device")
     fast = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
                                augmentation=aug)
     slow = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
@@ -547,9 +581,7 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim):
         a, b = batch_to_device(a, "cpu"), batch_to_device(b, "cpu")
         for key in ("image", "target", "valid"):
             assert a[key].dtype == torch.float32 and torch.equal(a[key], b[key]), key
-    # Interpolating augmentations or an EM level off the grid: float EM.
-    assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
-                                   augmentation=AugmentParams(rotate_deg=10)).em_uint8
+    # An EM level off the grid: float EM.
     assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 4), crop_size, seed=3).em_uint8
     mae = MAESamples([src], (8, 8, 8), crop_size, seed=3)
     assert mae.em_uint8 and mae[0]["image"].dtype == torch.uint8 and mae[0]["valid"].dtype == torch.uint8
@@ -584,3 +616,46 @@ def test_separable_resampling_equals_scipy(ndim):
             assert near.dtype == np.uint8 and np.array_equal(near[c], ref_near)
         if extra:
             assert (near == 7).mean() > 0.05 and (lin == -1.0).mean() > 0.05
+
+
+@pytest.mark.parametrize("ndim,vox", [(2, (8.0, 8.0)), (2, (16.0, 8.0)), (3, (8.0, 8.0, 8.0)),
+                                      (3, (16.0, 8.0, 8.0))])
+def test_device_geometry_equals_host_resampling(ndim, vox):
+    """EM rotated and zoomed on the device (from the read box in a fixed-shape buffer, with
+    flips, 90 degree rotations and transposes folded into one affine map) equals linear
+    resampling then flipping on the host; every box read fits the buffer; a batch gives
+    what its samples give alone; nearest neighbour on the host agrees."""
+    from torchtitan.datasets.augment import (
+        apply_flips, apply_geometry, device_geometry, draw_plan, max_read_shape,
+        nearest_from_geometry, read_shape, resample, resample_matrix)
+
+    rng = np.random.default_rng(ndim)
+    shape = (10, 12, 12)[-ndim:] if ndim == 3 else (12, 12)
+    params = AugmentParams(rot90=True, rotate_deg=180, scale=0.3)
+    buffer_shape = max_read_shape(shape, vox, params)
+    buffers, geometries, expected = [], [], []
+    for _ in range(12):
+        plan = draw_plan(rng, params, shape, vox)
+        matrix = resample_matrix(plan, vox)
+        box = read_shape(shape, matrix)
+        assert all(b <= m for b, m in zip(box, buffer_shape)), (box, buffer_shape)
+        arr = rng.uniform(-1, 1, (1, *box)).astype(np.float32)
+        shift = rng.uniform(-0.5, 0.5, ndim)
+        buffer = np.full((1, *buffer_shape), 5.0, np.float32)  # never read
+        buffer[(slice(None), *(slice(0, b) for b in box))] = arr
+        geometry = device_geometry(matrix, plan, shape, box, shift)
+        buffers.append(buffer)
+        geometries.append(geometry)
+        expected.append(np.ascontiguousarray(apply_flips(resample(arr, matrix, shape, shift, 1, -1.0),
+                                                         plan)))
+        nearest = nearest_from_geometry(buffer, geometry, shape)
+        host = apply_flips(resample(arr, matrix, shape, shift, 0, 0), plan)
+        assert (nearest == host).mean() > 0.995
+    out = apply_geometry(torch.from_numpy(np.stack(buffers)),
+                         torch.from_numpy(np.stack(geometries)).float(), shape)
+    np.testing.assert_allclose(out.numpy(), np.stack(expected), atol=1e-4)
+    alone = apply_geometry(torch.from_numpy(buffers[3])[None],
+                           torch.from_numpy(geometries[3])[None].float(), shape)
+    assert torch.equal(alone[0], out[3])
+    assert max(np.prod(read_shape(shape, resample_matrix(draw_plan(rng, params, shape, vox), vox)))
+               for _ in range(200)) > 0.8 * np.prod(buffer_shape)  # the bound is not loose

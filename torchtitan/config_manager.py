@@ -382,6 +382,14 @@ class Augmentation:
         0.0, "Random Gaussian blur of EM with sigma up to this many voxels of the finest axis "
         "(the same width in nm on every axis; 0 disables).", min=0
     )
+    resample_on: str = opt(
+        "auto", "Where EM is interpolated for rotate_deg and scale: 'device' (the loader "
+        "workers read the larger box, the GPU resamples it; far cheaper for the workers), "
+        "'workers' (on the host, which on a CPU-only machine is faster than torch's CPU "
+        "grid_sample), or 'auto' (device when training on a GPU). Labels are always moved in "
+        "the workers; the slices dataset always resamples there.",
+        choices=("auto", "device", "workers"),
+    )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.ndimage as ndi
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,21 @@ class AugmentParams:
     gamma: float = 0.0
     noise_std: float = 0.0
     blur_sigma: float = 0.0
+    resample_on: str = "auto"  # where EM is interpolated: "auto", "device" or "workers"
 
     @classmethod
     def from_config(cls, section) -> "AugmentParams":
         return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__})
+
+    @property
+    def device_geometry(self) -> bool:
+        """Whether EM is rotated and zoomed on the device (see :func:`apply_geometry`);
+        ``resample_on="auto"`` chooses the device when CUDA is available."""
+        if self.rotate_deg == 0 and self.scale == 0:
+            return False
+        if self.resample_on == "auto":
+            return torch.cuda.is_available()
+        return self.resample_on == "device"
 
     @property
     def intensity(self) -> bool:
@@ -214,6 +226,99 @@ def _resample_separable(arr: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
     if plane_out.any():
         out[:, :, plane_out] = cval
     return out.reshape(arr.shape[0], *shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotation and zoom of EM on the device
+# ---------------------------------------------------------------------------------------------
+# Linear interpolation of a 128^3 EM sample costs a loader worker about as much CPU as reading
+# it, and a GPU next to nothing. Training samples therefore carry the box read around them
+# (raw, in a buffer of one fixed shape per run, so that samples batch) and ``geometry``: the
+# map from each output voxel to the buffer position it reads, with the flips, 90 degree
+# rotations and transposes folded in. ``loader.batch_to_device`` resamples there
+# (:func:`apply_geometry`). Labels are still moved in the workers, by nearest neighbour.
+
+
+def max_read_shape(shape, vox, params: AugmentParams) -> tuple[int, ...]:
+    """The largest :func:`read_shape` over every rotation and zoom ``params`` can draw for a
+    sample of ``shape`` and voxel size ``vox`` (the fixed buffer shape)."""
+    half = (np.asarray(shape, dtype=float) - 1) / 2
+    vox = np.asarray(vox, dtype=float)
+    zoom = 1 - params.scale if params.scale > 0 else 1.0
+    reach = half / zoom
+    theta = min(math.radians(params.rotate_deg), math.pi)
+    a, b = len(shape) - 2, len(shape) - 1
+    for u, v in ((a, b), (b, a)):
+        # reach[u] = (|cos t| half[u] + |sin t| half[v] vox[v] / vox[u]) / zoom, |t| <= theta:
+        # largest at t = atan(q / p), or at theta when theta stops short of it.
+        p, q = half[u], half[v] * vox[v] / vox[u]
+        top = math.hypot(p, q) if theta >= math.atan2(q, p) else p * math.cos(theta) + q * math.sin(theta)
+        reach[u] = top / zoom
+    return tuple(int(2 * math.ceil(r + 1e-4) + 3) for r in reach)
+
+
+def flip_map(plan: Plan, shape) -> tuple[np.ndarray, np.ndarray]:
+    """``(P, q)`` such that voxel ``j`` of ``apply_flips(arr, plan)`` is voxel ``P @ j + q`` of
+    ``arr`` (spatial shape ``shape``). Read off :func:`apply_flips` itself, applied to
+    broadcast index grids (nothing is allocated), so the two can never disagree."""
+    n = len(shape)
+    grids = []
+    for ax, size in enumerate(shape):
+        index = np.arange(size).reshape([size if d == ax else 1 for d in range(n)])
+        grids.append(apply_flips(np.broadcast_to(index, tuple(shape))[None], plan)[0])
+    q = np.array([g[(0,) * n] for g in grids], dtype=float)
+    P = np.zeros((n, n))
+    for k in range(n):
+        if grids[0].shape[k] > 1:
+            unit = tuple(int(d == k) for d in range(n))
+            P[:, k] = np.array([g[unit] for g in grids], dtype=float) - q
+    return P, q
+
+
+def device_geometry(matrix: np.ndarray, plan: Plan, out_shape, in_shape, shift) -> np.ndarray:
+    """``[A | b]`` (n, n + 1): output voxel ``j`` of the finished sample (resampled as
+    :func:`resample` does, then :func:`apply_flips`) reads input position ``A @ j + b`` of a
+    box of shape ``in_shape`` (its corner at the buffer's)."""
+    centre_out = (np.asarray(out_shape, dtype=float) - 1) / 2
+    centre_in = (np.asarray(in_shape, dtype=float) - 1) / 2
+    P, q = flip_map(plan, out_shape)
+    A = matrix @ P
+    b = matrix @ (q - centre_out) + centre_in + np.asarray(shift, dtype=float)
+    return np.concatenate([A, b[:, None]], axis=1)
+
+
+def nearest_from_geometry(arr: np.ndarray, geometry: np.ndarray, out_shape) -> np.ndarray:
+    """Nearest-neighbour version of :func:`apply_geometry` for one sample on the host
+    (C, *buffer) -> (C, *out_shape); positions outside read 0."""
+    n = len(out_shape)
+    A, b = geometry[:, :n].astype(float), geometry[:, n].astype(float)
+    centre_out = (np.asarray(out_shape, dtype=float) - 1) / 2
+    centre_in = (np.asarray(arr.shape[1:], dtype=float) - 1) / 2
+    return resample(arr, A, out_shape, b + A @ centre_out - centre_in, order=0, cval=0)
+
+
+def apply_geometry(image: torch.Tensor, geometry: torch.Tensor, out_shape) -> torch.Tensor:
+    """Resample a batch of normalised EM buffers (B, C, *buffer) onto ``out_shape`` by linear
+    interpolation, sample ``i`` reading position ``A @ j + b`` for output voxel ``j``
+    (``geometry[i] = [A | b]``, voxel units, axes in array order). Positions outside the
+    buffer read -1 (raw 0), as :func:`resample` does for EM."""
+    n = len(out_shape)
+    size_in = torch.tensor(image.shape[2:], dtype=torch.float64)
+    half_out = (torch.tensor(out_shape, dtype=torch.float64) - 1) / 2
+    geometry = geometry.to("cpu", torch.float64)
+    A, b = geometry[:, :, :n], geometry[:, :, n]
+    # affine_grid works in [-1, 1] coordinates (align_corners: -1 and 1 are the edge voxels'
+    # centres) with axes in x, y(, z) order: rescale, and reverse both axis orders.
+    to_unit = 2 / (size_in - 1).clamp(min=1)
+    theta = to_unit[:, None] * A * half_out[None, :]
+    offset = to_unit * (A @ half_out + b) - 1
+    affine = torch.cat([theta.flip(1, 2), offset.flip(1)[..., None]], dim=2)
+    affine = affine.to(image.device, torch.float32)
+    grid = F.affine_grid(affine, [image.shape[0], 1, *out_shape], align_corners=True)
+    # Zero padding on image + 1, so that outside reads -1.
+    out = F.grid_sample(image.float() + 1, grid, mode="bilinear", padding_mode="zeros",
+                        align_corners=True)
+    return out.sub_(1)
 
 
 # ---------------------------------------------------------------------------------------------

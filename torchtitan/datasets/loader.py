@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from torchtitan.datasets import cellmap
-from torchtitan.datasets.augment import apply_intensity
+from torchtitan.datasets.augment import apply_geometry, apply_intensity
 from torchtitan.datasets.cellmap import (
     DatasetError,
     EMSource,
@@ -71,11 +71,14 @@ def _worker_init(worker_id: int) -> None:
 
 
 def batch_to_device(batch: dict, device) -> dict:
-    """Move a batch to ``device`` and make model inputs of it: raw uint8 EM is normalised
-    there exactly as ``samples.normalize_em`` does on the host, uint8 masks become float32.
-    Shipping uint8 from the loader workers moves a quarter of the bytes. Samples drawn with
-    intensity augmentation get it here (``augment.apply_intensity``), where it is cheap."""
+    """Move a batch (or a single sample) to ``device`` and make model inputs of it: raw uint8
+    EM is normalised there exactly as ``samples.normalize_em`` does on the host, uint8 masks
+    become float32. Shipping uint8 from the loader workers moves a quarter of the bytes.
+    Samples drawn with rotation or zoom are interpolated here (``augment.apply_geometry``),
+    and those drawn with intensity augmentation get it here (``augment.apply_intensity``):
+    on the host either costs as much CPU as reading the sample, on a GPU next to nothing."""
     batch = dict(batch)
+    geometry = batch.pop("geometry", None)
     intensity, noise_seed = batch.pop("intensity", None), batch.pop("noise_seed", None)
     out = {}
     for key, value in batch.items():
@@ -85,6 +88,13 @@ def batch_to_device(batch: dict, device) -> dict:
         elif value.dtype in (torch.uint8, torch.bool):
             value = value.float()
         out[key] = value
+    if geometry is not None:
+        n = geometry.shape[-2]
+        out_shape = tuple(out["valid"].shape[-n:])
+        if geometry.dim() == 2:  # a single sample, not a batch
+            out["image"] = apply_geometry(out["image"][None], geometry[None], out_shape)[0]
+        else:
+            out["image"] = apply_geometry(out["image"], geometry, out_shape)
     if intensity is not None:
         if intensity.dim() == 1:  # a single sample, not a batch
             out["image"] = apply_intensity(out["image"][None], intensity[None], noise_seed[None])[0]

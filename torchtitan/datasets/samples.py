@@ -39,8 +39,11 @@ from torchtitan.datasets.augment import (
     NO_AUGMENTATION,
     AugmentParams,
     apply_flips,
+    device_geometry,
     draw_plan,
     intensity_params,
+    max_read_shape,
+    nearest_from_geometry,
     read_shape,
     resample,
     resample_matrix,
@@ -178,12 +181,26 @@ class _SampleDataset(Dataset):
         self.planes = planes
         self.max_resample = int(max_resample)
         self.em_uint8 = False  # set by subclasses once their EM sources are known
+        # Rotation or zoom: EM interpolated on the device (see _geometry) or here.
+        self.device_geometry = self.aug.device_geometry
+        self.host_geometry = not self.device_geometry and (self.aug.rotate_deg > 0
+                                                          or self.aug.scale > 0)
+        self.image_buffer_shape: tuple[int, ...] | None = None
+        if self.device_geometry:
+            normals = (0, 1, 2) if self.ndim == 2 and planes == "zyx" else (0,)
+            shapes = []
+            for normal in normals:
+                keep = list(self._frame(normal))
+                box = self._box(normal)
+                shapes.append(max_read_shape([box[a] for a in keep], self.voxel_size[keep],
+                                             self.aug))
+            self.image_buffer_shape = tuple(int(m) for m in np.max(shapes, axis=0))
 
     def _ships_raw_em(self, sources: list[EMSource]) -> bool:
         """Whether samples can carry EM as raw uint8 (normalised on the device): every EM level
-        read lies on the training grid, and no augmentation interpolates (intensity changes
-        run on the device, after normalisation)."""
-        if self.aug.rotate_deg > 0 or self.aug.scale > 0:
+        read lies on the training grid, and no rotation or zoom interpolates it here (on the
+        device, like the intensity changes, they come after normalisation)."""
+        if self.host_geometry:
             return False
         return all(np.allclose(self._em_level(s).scale, self.voxel_size, rtol=1e-6)
                    for s in sources)
@@ -231,11 +248,16 @@ class _SampleDataset(Dataset):
                   fills: dict[str, float] | None = None):
         """Draw the augmentation plan and read the box at ``origin`` with it applied.
 
-        ``reader(origin, shape)`` returns 3D arrays (C, D, H, W); ``image`` is interpolated
-        linearly, every other array by nearest neighbour (positions outside the read box, which
-        is made large enough to have none, would read ``fills[key]``, default 0). Returns the
-        arrays in the sample's frame (C, *crop_size), possibly as strided views (flips and
-        transposes are not copied), the plan and the frame's voxel size.
+        ``reader(origin, shape)`` returns 3D arrays (C, D, H, W). Returns the arrays in the
+        sample's frame (C, *crop_size), possibly as strided views (flips and transposes are not
+        copied), the plan and the frame's voxel size.
+
+        With rotation or zoom on, a larger box is read around the sample. Every array but
+        ``image`` is resampled here by nearest neighbour (positions outside the read box, which
+        is made large enough to have none, would read ``fills[key]``, default 0). ``image`` is
+        interpolated linearly here too, or, with ``device_geometry``, left as the read box in a
+        buffer of ``image_buffer_shape``, with ``geometry`` for
+        :func:`augment.apply_geometry` to interpolate it on the device.
         """
         fills = fills or {}
         box = self._box(normal)
@@ -248,21 +270,33 @@ class _SampleDataset(Dataset):
         def to_frame(arr: np.ndarray) -> np.ndarray:
             return np.take(arr, 0, axis=1 + normal) if self.ndim == 2 else arr
 
-        if matrix is None:
+        if not (self.device_geometry or self.host_geometry):  # nothing to resample
             arrays = {k: to_frame(a) for k, a in reader(origin, box).items()}
-        else:
-            big = np.asarray(box)
-            big[keep] = read_shape(out_shape, matrix)
-            centre = np.asarray(origin, float) + np.asarray(box) * self.voxel_size / 2
-            read_origin = grid_origin_snapped(level, self.voxel_size,
-                                              centre - big * self.voxel_size / 2)
-            shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
-            read = reader(read_origin, tuple(int(b) for b in big))
-            read = {k: to_frame(a) for k, a in read.items()}
-            arrays = {k: resample(a, matrix, out_shape, shift[keep], order=1 if k == "image" else 0,
-                                  cval=-1.0 if k == "image" else fills.get(k, 0))
-                      for k, a in read.items()}
-        return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
+            return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
+        if matrix is None:  # a draw of exactly no rotation and no zoom
+            matrix = np.eye(len(keep))
+        big = np.asarray(box)
+        big[keep] = read_shape(out_shape, matrix)
+        centre = np.asarray(origin, float) + np.asarray(box) * self.voxel_size / 2
+        read_origin = grid_origin_snapped(level, self.voxel_size,
+                                          centre - big * self.voxel_size / 2)
+        shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
+        read = {k: to_frame(a) for k, a in reader(read_origin, tuple(int(b) for b in big)).items()}
+        image = read.pop("image")
+        arrays = {k: apply_flips(resample(a, matrix, out_shape, shift[keep], order=0,
+                                          cval=fills.get(k, 0)), plan)
+                  for k, a in read.items()}
+        if self.host_geometry:
+            arrays["image"] = apply_flips(resample(image, matrix, out_shape, shift[keep], order=1,
+                                                   cval=-1.0), plan)
+            return arrays, plan, vox
+        # On the device (augment.apply_geometry), from a buffer of one shape for every sample
+        # of the run.
+        buffer = np.zeros((image.shape[0], *self.image_buffer_shape), dtype=image.dtype)
+        buffer[(slice(None), *(slice(0, n) for n in image.shape[1:]))] = image
+        arrays["image"] = buffer
+        arrays["geometry"] = device_geometry(matrix, plan, out_shape, image.shape[1:], shift[keep])
+        return arrays, plan, vox
 
     def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
         out = _to_tensors(arrays)
@@ -362,9 +396,11 @@ class SegmentationSamples(_SampleDataset):
     def _compose(self, crop: LabelCrop, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Replace the ``label:<group>`` arrays by the targets and validity of the classes."""
         raw = {k[6:]: a[0] for k, a in arrays.items() if k.startswith("label:")}
-        shape = arrays["image"].shape[1:]
-        target, valid = compose_targets(crop, self.classes, raw, shape)
-        return {"image": arrays["image"], "target": target, "valid": valid}
+        out = {k: a for k, a in arrays.items() if not k.startswith("label:")}
+        # An image still to be resampled on the device comes in a larger buffer.
+        shape = self.crop_size if "geometry" in arrays else arrays["image"].shape[1:]
+        out["target"], out["valid"] = compose_targets(crop, self.classes, raw, shape)
+        return out
 
     # -- where ------------------------------------------------------------------------------------
 
@@ -484,15 +520,26 @@ class MAESamples(_SampleDataset):
         origin = grid_origin_snapped(level, self.voxel_size, lo + rng.random(3) * (hi - lo))
         return self._geometry(rng, level, origin, normal, lambda o, s: self._read(source, o, s))
 
+    def _foreground(self, arrays: dict[str, np.ndarray]) -> float:
+        """Foreground fraction of a drawn sample's EM (nearest neighbour when the EM is still
+        to be resampled on the device)."""
+        image = arrays["image"]
+        if "geometry" not in arrays:
+            return foreground_fraction(image)
+        out_shape = arrays["valid"].shape[1:]
+        raw = image if image.dtype == np.uint8 else np.rint((image + 1) * 127.5)
+        return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8), arrays["geometry"],
+                                                   out_shape)))
+
     def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         drawn = self._draw_once(rng)
         if self.foreground_threshold > 0:
-            best, best_fraction = drawn, foreground_fraction(drawn[0]["image"])
+            best, best_fraction = drawn, self._foreground(drawn[0])
             for _ in range(FOREGROUND_DRAWS - 1):
                 if best_fraction >= self.foreground_threshold:
                     break
                 drawn = self._draw_once(rng)
-                fraction = foreground_fraction(drawn[0]["image"])
+                fraction = self._foreground(drawn[0])
                 if fraction > best_fraction:
                     best, best_fraction = drawn, fraction
             drawn = best
