@@ -19,7 +19,10 @@ alternating their order over --repeats and reporting the median:
            --batch-size, --workers loader workers), model.ndim 3, crop 128^3 at 8 nm. Measured
            once per --augment setting: 'flips' (the config's default augmentation: flips and
            y/x transposes), 'all' (every augmentation option the config has, switched on:
-           see AUGMENT_ALL) and/or 'none'.
+           see AUGMENT_ALL; rotated and zoomed EM interpolated in the workers, as CPU-only runs
+           do), 'all@device' (the same with augmentation.resample_on=device, as GPU runs do:
+           the workers ship the read box, the GPU interpolates) and/or 'none'. What is left
+           to the device is timed on this CPU by --profile.
   raw      the floor: the same crops straight from zarr, ``arr[z0:z1, y0:y1, x0:x1]`` of the
            EM and of every class, in a pool of --workers processes that only read (nothing
            is converted, augmented or sent back). Origins are drawn like the training
@@ -145,6 +148,9 @@ def make_store(root: Path, seed: int = 0) -> None:
 # (yet) have are skipped, so the benchmark follows what the loader offers.
 AUGMENT_ALL = {"flips": True, "rot90": True, "rotate_deg": 15.0, "scale": 0.1, "contrast": 0.1,
                "gamma": 0.1, "noise_std": 0.03, "blur_sigma": 1.0}
+# 'all' interpolates rotated and zoomed EM in the workers (what a CPU-only run does by
+# default), 'all@device' leaves it to the device (what a GPU run does by default).
+AUGMENT_SETTINGS = ("flips", "all", "all@device", "none")
 
 
 def job_config(args, augment: str):
@@ -156,9 +162,12 @@ def job_config(args, augment: str):
             "--model.ndim", "3", "--model.crop_size", ",".join([str(args.crop)] * 3),
             "--training.batch_size", str(args.batch_size), "--training.seed", str(args.seed)]
     fields = {f.name for f in dataclasses.fields(JobConfig().augmentation)}
-    if augment not in ("all", "flips", "none"):
-        raise SystemExit(f"--augment: {augment!r} is not one of all, flips, none")
-    chosen = AUGMENT_ALL if augment == "all" else {"flips": augment == "flips"}
+    if augment not in AUGMENT_SETTINGS:
+        raise SystemExit(f"--augment: {augment!r} is not one of {', '.join(AUGMENT_SETTINGS)}")
+    if augment.startswith("all"):
+        chosen = {**AUGMENT_ALL, "resample_on": "device" if augment == "all@device" else "workers"}
+    else:
+        chosen = {"flips": augment == "flips"}
     for name, value in chosen.items():
         if name in fields:
             if isinstance(value, bool):
@@ -465,6 +474,30 @@ def run_profile(samples, n: int, draws) -> None:
           f"the same reads by zarr_chunks {direct / n * 1e3:.0f} ms/sample")
     stats = pstats.Stats(profile).sort_stats("tottime")
     stats.print_stats(18)
+    device_share(samples, n)
+
+
+def device_share(samples, n: int) -> None:
+    """CPU time of what ``loader.batch_to_device`` still does to these samples (normalising
+    raw EM, rotation and zoom with ``resample_on=device``, intensity changes), one sample at a
+    time on one thread: the price of a CPU-only run; a GPU does it in next to no time."""
+    import torch
+
+    from torchtitan.datasets.loader import batch_to_device
+
+    items = [samples[g] for g in range(1, n + 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batch_to_device(items[0], "cpu")
+        start = time.process_time()
+        for item in items:
+            batch_to_device(item, "cpu")
+        spent = time.process_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    print(f"left to the device (batch_to_device on this CPU, one thread): "
+          f"{spent / n * 1e3:.0f} ms/sample")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,10 +517,12 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=0,
                    help="batches before timing starts (default: 2 x workers + 1)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--augment", default="flips,all",
+    p.add_argument("--augment", default="flips,all,all@device",
                    help="our augmentation settings to measure, comma-separated, of 'flips' (the "
                         "config's default: flips and y/x transposes), 'all' (every option the "
-                        "config has, switched on) and 'none' (default: flips,all)")
+                        "config has, switched on, EM rotated and zoomed in the workers), "
+                        "'all@device' (the same, EM rotated and zoomed on the device, as on a "
+                        "GPU) and 'none' (default: flips,all,all@device)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cellmap-python", default=None,
                    help="python of an environment with cellmap-data installed")
