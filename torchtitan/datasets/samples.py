@@ -41,9 +41,11 @@ from torchtitan.datasets.augment import (
     apply_flips,
     device_geometry,
     draw_plan,
+    gather,
     intensity_params,
     max_read_shape,
     nearest_from_geometry,
+    nearest_index,
     read_shape,
     resample,
     resample_matrix,
@@ -283,9 +285,9 @@ class _SampleDataset(Dataset):
         shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
         read = {k: to_frame(a) for k, a in reader(read_origin, tuple(int(b) for b in big)).items()}
         image = read.pop("image")
-        arrays = {k: apply_flips(resample(a, matrix, out_shape, shift[keep], order=0,
-                                          cval=fills.get(k, 0)), plan)
-                  for k, a in read.items()}
+        # Every other array by nearest neighbour, flips included, as one gather.
+        index, outside = nearest_index(image.shape[1:], matrix, out_shape, shift[keep], plan)
+        arrays = {k: gather(a, index, outside, fills.get(k, 0)) for k, a in read.items()}
         if self.host_geometry:
             arrays["image"] = apply_flips(resample(image, matrix, out_shape, shift[keep], order=1,
                                                    cval=-1.0), plan)
