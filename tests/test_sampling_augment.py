@@ -323,20 +323,23 @@ def test_anisotropic_rotation_about_z_keeps_alignment(tmp_path, where):
     assert np.mean([_mismatch(ds[g]) for g in range(8)]) <= 0.01
 
 
-@pytest.mark.parametrize("crop_size,planes", [((16, 16), "zyx"), ((8, 16, 16), "z")])
+@pytest.mark.parametrize("crop_size,planes,vox", [((16, 16), "zyx", (16, 8, 8)),
+                                                  ((8, 16, 16), "z", (16, 8, 8)),
+                                                  ((12, 12, 12), "z", (8, 8, 8))])
 def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path, crop_size,
-                                                                        planes):
-    """The same sample, its EM interpolated in the loader worker or on the device: the same
-    model inputs (to float32 rounding), the same targets and validity."""
+                                                                        planes, vox):
+    """The same sample, rotated and zoomed in the loader worker or on the device (labels:
+    flipped and turned there, 90 degree turns through z included with isotropic voxels): the
+    same model inputs (to float32 rounding), the same targets and validity."""
     em = smooth_em((32, 64, 64))
-    store = make_store(tmp_path, em, scale=(16, 8, 8))
-    write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (16, 8, 8))
+    store = make_store(tmp_path, em, scale=vox)
+    write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, vox)
     (src,) = discover(tmp_path)
     made = {}
     for where in ("workers", "device"):
         aug = AugmentParams(rot90=True, rotate_deg=180, scale=0.2, gamma=0.2, blur_sigma=1.0,
                             resample_on=where)
-        ds = SegmentationSamples([src], src.crops, ["mito"], (16, 8, 8), crop_size, seed=5,
+        ds = SegmentationSamples([src], src.crops, ["mito"], vox, crop_size, seed=5,
                                  augmentation=aug, planes=planes)
         assert ds.device_geometry == (where == "device") and ds.em_uint8 == (where == "device")
         made[where] = [batch_to_device(ds[g], "cpu") for g in range(8)]
@@ -624,10 +627,11 @@ def test_device_geometry_equals_host_resampling(ndim, vox):
     """EM rotated and zoomed on the device (from the read box in a fixed-shape buffer, with
     flips, 90 degree rotations and transposes folded into one affine map) equals linear
     resampling then flipping on the host; every box read fits the buffer; a batch gives
-    what its samples give alone; nearest neighbour on the host agrees."""
+    what its samples give alone; nearest neighbour on the host agrees, and the labels' flips
+    made on the device from ``axis_map`` equal ``apply_flips``."""
     from torchtitan.datasets.augment import (
-        apply_flips, apply_geometry, device_geometry, draw_plan, max_read_shape,
-        nearest_from_geometry, read_shape, resample, resample_matrix)
+        apply_axis_map, apply_flips, apply_geometry, axis_map, device_geometry, draw_plan,
+        max_read_shape, nearest_from_geometry, read_shape, resample, resample_matrix)
 
     rng = np.random.default_rng(ndim)
     shape = (10, 12, 12)[-ndim:] if ndim == 3 else (12, 12)
@@ -649,8 +653,13 @@ def test_device_geometry_equals_host_resampling(ndim, vox):
         expected.append(np.ascontiguousarray(apply_flips(resample(arr, matrix, shape, shift, 1, -1.0),
                                                          plan)))
         nearest = nearest_from_geometry(buffer, geometry, shape)
-        host = apply_flips(resample(arr, matrix, shape, shift, 0, 0), plan)
+        unflipped = resample(arr, matrix, shape, shift, 0, 0)
+        host = apply_flips(unflipped, plan)
         assert (nearest == host).mean() > 0.995
+        # Labels: the same flips made on the device from axis_map.
+        flipped = apply_axis_map(torch.from_numpy(unflipped)[None],
+                                 torch.from_numpy(axis_map(plan, shape))[None])[0]
+        assert torch.equal(flipped, torch.from_numpy(np.ascontiguousarray(host)))
     out = apply_geometry(torch.from_numpy(np.stack(buffers)),
                          torch.from_numpy(np.stack(geometries)).float(), shape)
     np.testing.assert_allclose(out.numpy(), np.stack(expected), atol=1e-4)

@@ -228,95 +228,17 @@ def _resample_separable(arr: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
     return out.reshape(arr.shape[0], *shape)
 
 
-def nearest_index(in_shape, matrix: np.ndarray, out_shape, shift,
-                  plan: Plan) -> tuple[np.ndarray, np.ndarray | None]:
-    """Nearest-neighbour resampling and then :func:`apply_flips` as one gather, for a
-    z-separable ``matrix``: flat indices ``index`` (``out_shape``, C-contiguous) into arrays of
-    spatial shape ``in_shape`` such that ``np.take(arr.reshape(C, -1), index, axis=1)``,
-    after setting the voxels of ``outside`` (a mask, or None when every position is inside)
-    to cval, equals ``apply_flips(resample(arr, matrix, out_shape, shift, 0, cval), plan)``.
-
-    Computed once per sample and used for every label array, it writes each output once, in
-    memory order; a 90 degree turn through z no longer leaves a view whose copy hops across
-    the whole array. The index is a broadcast sum of a z part and a plane part, since the
-    flips only permute and reverse the axes of the separable resampling.
-    """
-    assert _z_separable(matrix), "nearest_index needs a z-separable matrix"
-    n = len(out_shape)
-    centre_out = (np.asarray(out_shape, dtype=float) - 1) / 2
-    centre_in = (np.asarray(in_shape, dtype=float) - 1) / 2
-    offset = centre_in + np.asarray(shift, dtype=float) - matrix @ centre_out
-    if n == 2:
-        (d, h, w), (do, ho, wo) = (1, *in_shape), (1, *out_shape)
-        mz, oz, pm, po = 1.0, 0.0, matrix, offset
-    else:
-        (d, h, w), (do, ho, wo) = in_shape, out_shape
-        mz, oz, pm, po = matrix[0, 0], offset[0], matrix[1:, 1:], offset[1:]
-    # Before the flips: output (z, y, x) reads flat input zpart[z] + plane[y, x].
-    pz = mz * np.arange(do) + oz
-    ii = np.arange(ho, dtype=float)[:, None]
-    jj = np.arange(wo, dtype=float)[None, :]
-    py = pm[0, 0] * ii + pm[0, 1] * jj + po[0]
-    px = pm[1, 0] * ii + pm[1, 1] * jj + po[1]
-    zpart = np.clip(np.floor(pz + 0.5), 0, d - 1).astype(np.intp) * (h * w)
-    plane = (np.clip(np.floor(py + 0.5), 0, h - 1).astype(np.intp) * w
-             + np.clip(np.floor(px + 0.5), 0, w - 1).astype(np.intp))
-    z_out = (pz < 0) | (pz > d - 1)
-    plane_out = (py < 0) | (py > h - 1) | (px < 0) | (px > w - 1)
-
-    # After them: pre-flip axis k is output axis axis[k], read as sign[k] * j + q[k].
-    P, q = flip_map(plan, out_shape)
-    axis, sign = [], []
-    for k in range(n):
-        nz = np.flatnonzero(P[k])
-        axis.append(int(nz[0]) if len(nz) else k)
-        sign.append(int(P[k, nz[0]]) if len(nz) else 0)
-    q = q.astype(np.intp)
-
-    def along(k: int) -> np.ndarray:  # the pre-flip coordinate k along its output axis
-        return sign[k] * np.arange(out_shape[axis[k]]) + q[k]
-
-    def placed(arr2d: np.ndarray, a: int, b: int) -> np.ndarray:
-        """A 2D array over output axes (a, b), shaped to broadcast over the output."""
-        if a > b:
-            arr2d, a, b = arr2d.T, b, a
-        shape = [1] * n
-        shape[a], shape[b] = arr2d.shape
-        return np.ascontiguousarray(arr2d).reshape(shape)
-
-    if n == 2:
-        sel = np.ix_(along(0), along(1))
-        index = placed(plane[sel], axis[0], axis[1])
-        outside = placed(plane_out[sel], axis[0], axis[1])
-    else:
-        shape = [1] * 3
-        shape[axis[0]] = out_shape[axis[0]]
-        sel = np.ix_(along(1), along(2))
-        index = zpart[along(0)].reshape(shape) + placed(plane[sel], axis[1], axis[2])
-        outside = z_out[along(0)].reshape(shape) | placed(plane_out[sel], axis[1], axis[2])
-    index = np.ascontiguousarray(np.broadcast_to(index, tuple(out_shape)))
-    return index, (np.broadcast_to(outside, tuple(out_shape)) if outside.any() else None)
-
-
-def gather(arr: np.ndarray, index: np.ndarray, outside: np.ndarray | None,
-           cval: float) -> np.ndarray:
-    """``arr`` (C, *in_shape) read at the flat ``index`` of :func:`nearest_index`."""
-    flat = arr.reshape(arr.shape[0], -1)
-    out = flat[0].take(index)[None] if arr.shape[0] == 1 else np.take(flat, index, axis=1)
-    if outside is not None:
-        out[:, outside] = cval
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Rotation and zoom of EM on the device
 # ---------------------------------------------------------------------------------------------
 # Linear interpolation of a 128^3 EM sample costs a loader worker about as much CPU as reading
-# it, and a GPU next to nothing. Training samples therefore carry the box read around them
-# (raw, in a buffer of one fixed shape per run, so that samples batch) and ``geometry``: the
-# map from each output voxel to the buffer position it reads, with the flips, 90 degree
-# rotations and transposes folded in. ``loader.batch_to_device`` resamples there
-# (:func:`apply_geometry`). Labels are still moved in the workers, by nearest neighbour.
+# it, and a GPU next to nothing. With ``resample_on="device"`` samples therefore carry the box
+# read around them (raw, in a buffer of one fixed shape per run, so that samples batch) and
+# ``geometry``: the map from each output voxel to the buffer position it reads, with the
+# flips, 90 degree rotations and transposes folded in. Labels are rotated and zoomed in the
+# workers (nearest neighbour, cheap) but not flipped: a 90 degree turn through z makes that
+# copy hop across memory, so they carry ``label_axes`` (:func:`axis_map`) instead.
+# ``loader.batch_to_device`` finishes both (:func:`apply_geometry`, :func:`apply_axis_map`).
 
 
 def max_read_shape(shape, vox, params: AugmentParams) -> tuple[int, ...]:
@@ -365,6 +287,31 @@ def device_geometry(matrix: np.ndarray, plan: Plan, out_shape, in_shape, shift) 
     A = matrix @ P
     b = matrix @ (q - centre_out) + centre_in + np.asarray(shift, dtype=float)
     return np.concatenate([A, b[:, None]], axis=1)
+
+
+def axis_map(plan: Plan, shape) -> np.ndarray:
+    """:func:`apply_flips` as data: int64 (2, n), ``[perm, flip]``, for
+    :func:`apply_axis_map`."""
+    P, _ = flip_map(plan, shape)
+    n = len(shape)
+    perm, flip = list(range(n)), [0] * n
+    for k in range(n):
+        nz = np.flatnonzero(P[k])
+        if len(nz):  # pre-flip axis k becomes output axis nz[0], reversed if the sign is -1
+            perm[int(nz[0])] = k
+            flip[int(nz[0])] = int(P[k, nz[0]] < 0)
+    return np.array([perm, flip], dtype=np.int64)
+
+
+def apply_axis_map(x: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+    """The flips, 90 degree turns and transposes of :func:`axis_map` on a batch (B, C,
+    *spatial), each sample with its own ``axes`` row (B, 2, n), on ``x``'s device."""
+    out = []
+    for b, (perm, flip) in enumerate(axes.tolist()):
+        y = x[b].permute(0, *(1 + p for p in perm))
+        dims = [1 + m for m, f in enumerate(flip) if f]
+        out.append(y.flip(dims) if dims else y)
+    return torch.stack(out)
 
 
 def nearest_from_geometry(arr: np.ndarray, geometry: np.ndarray, out_shape) -> np.ndarray:

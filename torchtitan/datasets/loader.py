@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from torchtitan.datasets import cellmap
-from torchtitan.datasets.augment import apply_geometry, apply_intensity
+from torchtitan.datasets.augment import apply_axis_map, apply_geometry, apply_intensity
 from torchtitan.datasets.cellmap import (
     DatasetError,
     EMSource,
@@ -78,7 +78,7 @@ def batch_to_device(batch: dict, device) -> dict:
     and those drawn with intensity augmentation get it here (``augment.apply_intensity``):
     on the host either costs as much CPU as reading the sample, on a GPU next to nothing."""
     batch = dict(batch)
-    geometry = batch.pop("geometry", None)
+    geometry, label_axes = batch.pop("geometry", None), batch.pop("label_axes", None)
     intensity, noise_seed = batch.pop("intensity", None), batch.pop("noise_seed", None)
     out = {}
     for key, value in batch.items():
@@ -89,12 +89,17 @@ def batch_to_device(batch: dict, device) -> dict:
             value = value.float()
         out[key] = value
     if geometry is not None:
+        single = geometry.dim() == 2  # a single sample, not a batch
+        if single:
+            out = {k: v[None] for k, v in out.items()}
+            geometry, label_axes = geometry[None], label_axes[None]
         n = geometry.shape[-2]
-        out_shape = tuple(out["valid"].shape[-n:])
-        if geometry.dim() == 2:  # a single sample, not a batch
-            out["image"] = apply_geometry(out["image"][None], geometry[None], out_shape)[0]
-        else:
-            out["image"] = apply_geometry(out["image"], geometry, out_shape)
+        out["image"] = apply_geometry(out["image"], geometry, tuple(out["valid"].shape[-n:]))
+        for key in ("target", "valid"):
+            if key in out:
+                out[key] = apply_axis_map(out[key], label_axes)
+        if single:
+            out = {k: v[0] for k, v in out.items()}
     if intensity is not None:
         if intensity.dim() == 1:  # a single sample, not a batch
             out["image"] = apply_intensity(out["image"][None], intensity[None], noise_seed[None])[0]

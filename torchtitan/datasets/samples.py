@@ -39,13 +39,12 @@ from torchtitan.datasets.augment import (
     NO_AUGMENTATION,
     AugmentParams,
     apply_flips,
+    axis_map,
     device_geometry,
     draw_plan,
-    gather,
     intensity_params,
     max_read_shape,
     nearest_from_geometry,
-    nearest_index,
     read_shape,
     resample,
     resample_matrix,
@@ -159,7 +158,7 @@ def _to_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     for k, a in arrays.items():
         if a.dtype == np.bool_:
             a = a.view(np.uint8)
-        dtype = np.uint8 if a.dtype == np.uint8 else np.float32
+        dtype = a.dtype if a.dtype in (np.uint8, np.int64) else np.float32
         out[k] = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
     return out
 
@@ -285,19 +284,21 @@ class _SampleDataset(Dataset):
         shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
         read = {k: to_frame(a) for k, a in reader(read_origin, tuple(int(b) for b in big)).items()}
         image = read.pop("image")
-        # Every other array by nearest neighbour, flips included, as one gather.
-        index, outside = nearest_index(image.shape[1:], matrix, out_shape, shift[keep], plan)
-        arrays = {k: gather(a, index, outside, fills.get(k, 0)) for k, a in read.items()}
+        # Every other array by nearest neighbour, here.
+        arrays = {k: resample(a, matrix, out_shape, shift[keep], order=0, cval=fills.get(k, 0))
+                  for k, a in read.items()}
         if self.host_geometry:
-            arrays["image"] = apply_flips(resample(image, matrix, out_shape, shift[keep], order=1,
-                                                   cval=-1.0), plan)
-            return arrays, plan, vox
+            arrays["image"] = resample(image, matrix, out_shape, shift[keep], order=1, cval=-1.0)
+            return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
         # On the device (augment.apply_geometry), from a buffer of one shape for every sample
         # of the run.
         buffer = np.zeros((image.shape[0], *self.image_buffer_shape), dtype=image.dtype)
         buffer[(slice(None), *(slice(0, n) for n in image.shape[1:]))] = image
         arrays["image"] = buffer
+        # The labels' flips, 90 degree turns and transposes are left to the device as well:
+        # here a turn through z makes the copy of every label array hop across memory.
         arrays["geometry"] = device_geometry(matrix, plan, out_shape, image.shape[1:], shift[keep])
+        arrays["label_axes"] = axis_map(plan, out_shape)
         return arrays, plan, vox
 
     def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
