@@ -18,7 +18,9 @@ One sample is made in four steps:
    plan rotates or zooms, which is then resampled onto the sample grid.
 4. Flips, 90 degree rotations, transposes; then targets and validity (``targets.py``) from
    the moved label values. Intensity changes (EM only) are drawn here and made on the device
-   by ``loader.batch_to_device``.
+   by ``loader.batch_to_device``; so are, with ``augmentation.resample_on`` "device", the
+   interpolation of rotated and zoomed EM and the flips of the labels (the item carries
+   ``geometry`` and ``label_axes`` for that, see ``augment.py``).
 
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
 ``(seed, g, attempt)``; the item's ``resampled`` entry counts the replacements.
@@ -258,7 +260,8 @@ class _SampleDataset(Dataset):
         is made large enough to have none, would read ``fills[key]``, default 0). ``image`` is
         interpolated linearly here too, or, with ``device_geometry``, left as the read box in a
         buffer of ``image_buffer_shape``, with ``geometry`` for
-        :func:`augment.apply_geometry` to interpolate it on the device.
+        :func:`augment.apply_geometry` to interpolate it on the device; the other arrays are
+        then returned unflipped, with ``label_axes`` for :func:`augment.apply_axis_map`.
         """
         fills = fills or {}
         box = self._box(normal)
@@ -337,8 +340,11 @@ class SegmentationSamples(_SampleDataset):
     Item ``g`` is a dict: ``image`` (1, *crop) (float32, or raw uint8 when ``em_uint8``),
     ``target`` and ``valid`` (K, *crop) uint8, ``index`` (the global sample index) and
     ``resampled`` (replacements after read errors); with intensity augmentation also
-    ``intensity`` and ``noise_seed`` (what was drawn for it). ``loader.batch_to_device`` turns
-    a batch into float32 model inputs and makes the intensity changes.
+    ``intensity`` and ``noise_seed`` (what was drawn for it). With rotation or zoom made on
+    the device (``device_geometry``), ``image`` is the box read around the sample, in a buffer
+    (1, *image_buffer_shape), ``target`` and ``valid`` are not yet flipped, and ``geometry``
+    and ``label_axes`` say how to finish both. ``loader.batch_to_device`` turns a batch into
+    float32 model inputs and makes what was left to the device.
     """
 
     def __init__(
@@ -494,7 +500,8 @@ class MAESamples(_SampleDataset):
 
     Item ``g``: ``image`` (1, *crop), ``valid`` (1, *crop) (0 where the crop leaves the
     volume: padding, excluded from the loss), ``index``, ``resampled``, with intensity
-    augmentation ``intensity`` and ``noise_seed`` (see :class:`SegmentationSamples`), and with
+    augmentation ``intensity`` and ``noise_seed``, with rotation or zoom on the device
+    ``geometry`` and ``label_axes`` (see :class:`SegmentationSamples`), and with
     ``num_patches`` > 0 the MAE masking ``noise`` (num_patches,), drawn from the sample's own
     generator. With ``foreground_threshold`` > 0 the place is redrawn (from the same generator,
     up to FOREGROUND_DRAWS times, keeping the best) until that fraction of the EM is non-zero.
