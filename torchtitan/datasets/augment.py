@@ -13,6 +13,10 @@ Geometry, in the order applied:
   linear interpolation for EM, nearest neighbour for stored label values;
 * 90 degree rotations in every plane whose two axes have equal voxel size and sample size;
 * flips of every axis, then a y/x transpose (only where y and x are isotropic and square).
+
+With ``resample_on`` "device" (the default on a GPU) the linear interpolation of EM and the
+labels' flips are left to the device: the sample carries the read box and one affine map
+(:func:`device_geometry`, :func:`apply_geometry`, :func:`axis_map`).
 """
 
 from __future__ import annotations
