@@ -49,10 +49,15 @@ class AugmentParams:
         return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__})
 
     @property
+    def resamples(self) -> bool:
+        """Whether rotation or zoom is on (the sample is resampled from a larger box)."""
+        return self.rotate_deg > 0 or self.scale > 0
+
+    @property
     def device_geometry(self) -> bool:
         """Whether EM is rotated and zoomed on the device (see :func:`apply_geometry`);
         ``resample_on="auto"`` chooses the device when CUDA is available."""
-        if self.rotate_deg == 0 and self.scale == 0:
+        if not self.resamples:
             return False
         if self.resample_on == "auto":
             return torch.cuda.is_available()
@@ -375,7 +380,6 @@ def apply_flips(arr: np.ndarray, plan: Plan) -> np.ndarray:
 # about 100 ms), on a GPU next to nothing. A sample carries what was drawn for it:
 # ``intensity`` = (gamma, contrast, noise_std, blur sigma in voxels along z, y, x; 0 for an
 # axis a 2D sample does not have) and ``noise_seed``.
-INTENSITY_FIELDS = 6
 BLUR_TRUNCATE = 3.0  # Gaussian kernels reach this many sigmas
 
 

@@ -78,8 +78,9 @@ def batch_to_device(batch: dict, device) -> dict:
     and those drawn with intensity augmentation get it here (``augment.apply_intensity``):
     on the host either costs as much CPU as reading the sample, on a GPU next to nothing."""
     batch = dict(batch)
-    geometry, label_axes = batch.pop("geometry", None), batch.pop("label_axes", None)
-    intensity, noise_seed = batch.pop("intensity", None), batch.pop("noise_seed", None)
+    # What the workers drew for the device; each is batched (B, ...) or one sample's.
+    drawn = {k: batch.pop(k) for k in ("geometry", "label_axes", "intensity", "noise_seed")
+             if k in batch}
     out = {}
     for key, value in batch.items():
         value = value.to(device, non_blocking=True)
@@ -88,23 +89,22 @@ def batch_to_device(batch: dict, device) -> dict:
         elif value.dtype in (torch.uint8, torch.bool):
             value = value.float()
         out[key] = value
-    if geometry is not None:
-        single = geometry.dim() == 2  # a single sample, not a batch
-        if single:
-            out = {k: v[None] for k, v in out.items()}
-            geometry, label_axes = geometry[None], label_axes[None]
-        n = geometry.shape[-2]
-        out["image"] = apply_geometry(out["image"], geometry, tuple(out["valid"].shape[-n:]))
+    single = any(drawn[k].dim() == d for k, d in (("geometry", 2), ("intensity", 1))
+                 if k in drawn)
+    if single:  # a single sample: made a batch of one here, and back at the end
+        out = {k: v[None] for k, v in out.items()}
+        drawn = {k: v[None] for k, v in drawn.items()}
+    if "geometry" in drawn:
+        n = drawn["geometry"].shape[-2]
+        out["image"] = apply_geometry(out["image"], drawn["geometry"],
+                                      tuple(out["valid"].shape[-n:]))
         for key in ("target", "valid"):
             if key in out:
-                out[key] = apply_axis_map(out[key], label_axes)
-        if single:
-            out = {k: v[0] for k, v in out.items()}
-    if intensity is not None:
-        if intensity.dim() == 1:  # a single sample, not a batch
-            out["image"] = apply_intensity(out["image"][None], intensity[None], noise_seed[None])[0]
-        else:
-            out["image"] = apply_intensity(out["image"], intensity, noise_seed)
+                out[key] = apply_axis_map(out[key], drawn["label_axes"])
+    if "intensity" in drawn:
+        out["image"] = apply_intensity(out["image"], drawn["intensity"], drawn["noise_seed"])
+    if single:
+        out = {k: v[0] for k, v in out.items()}
     return out
 
 

@@ -186,8 +186,7 @@ class _SampleDataset(Dataset):
         self.em_uint8 = False  # set by subclasses once their EM sources are known
         # Rotation or zoom: EM interpolated on the device (see _geometry) or here.
         self.device_geometry = self.aug.device_geometry
-        self.host_geometry = not self.device_geometry and (self.aug.rotate_deg > 0
-                                                          or self.aug.scale > 0)
+        self.host_geometry = self.aug.resamples and not self.device_geometry
         self.image_buffer_shape: tuple[int, ...] | None = None
         if self.device_geometry:
             normals = (0, 1, 2) if self.ndim == 2 and planes == "zyx" else (0,)
@@ -274,7 +273,7 @@ class _SampleDataset(Dataset):
         def to_frame(arr: np.ndarray) -> np.ndarray:
             return np.take(arr, 0, axis=1 + normal) if self.ndim == 2 else arr
 
-        if not (self.device_geometry or self.host_geometry):  # nothing to resample
+        if not self.aug.resamples:
             arrays = {k: to_frame(a) for k, a in reader(origin, box).items()}
             return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
         if matrix is None:  # a draw of exactly no rotation and no zoom
