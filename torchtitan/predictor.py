@@ -55,7 +55,7 @@ from torchtitan.datasets.cellmap import (
 from torchtitan.datasets.samples import crop_grid, normalize_em
 from torchtitan.evaluation import INSTANCE_CLASSES, label_instances
 from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
-from torchtitan.models import predict_probabilities
+from torchtitan.models import predict_probabilities, resolve_attention_backend, use_attention
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +293,7 @@ def predict_regions(args) -> list[str]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     model = task.build_model()
+    use_attention(model, resolve_attention_backend(cfg.model.attention, device))
     load_weights(model, args.checkpoint)
     model.to(device).eval()
     use_bf16 = device.type == "cuda"

@@ -28,6 +28,7 @@ from torchtitan.config_manager import ConfigError, ConfigManager, JobConfig, sav
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.datasets.loader import batch_to_device, build_loader
 from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
+from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.parallelisms.parallelize import (
@@ -108,6 +109,10 @@ class Trainer:
                 f"divisible by the data-parallel degree {self.dims.dp_degree} "
                 f"({self.dims.describe()}); use a multiple of {self.dims.dp_degree}"
             )
+        try:  # decided once per run, before any model is built or compiled
+            self.attention = resolve_attention_backend(cfg.model.attention, _device())
+        except RuntimeError as e:
+            raise ConfigError(f"model.attention = {cfg.model.attention!r}: {e}") from None
         if self.dims.tp_enabled:  # does the model split over the tp ranks?
             with torch.device("meta"):
                 check_parallelism(task.build_model(), self.dims, cfg)
@@ -144,6 +149,7 @@ class Trainer:
             model = self.task.build_model()
         self.flops_per_sample = self.task.flops_per_sample(model)
         self.num_params = sum(p.numel() for p in model.parameters())
+        use_attention(model, self.attention)  # before compile: blocks see "sdpa" or "fa4"
         model = parallelize(model, self.dims, self.mesh, self.cfg)
         model.to_empty(device=self.device)
         with torch.no_grad():
@@ -152,7 +158,7 @@ class Trainer:
         if self.rank == 0:
             torch.manual_seed(self.cfg.training.seed)
             reference = self.task.build_model()
-            reference.init_weights()
+            reference.init_weights()  # attention is not part of the weights: left as built
             reference = reference.state_dict()
         load_full_state_dict(model, reference)  # broadcast from rank 0, keep own shards
         self.model = wrap_ddp(model, self.dims, self.mesh)
@@ -182,9 +188,9 @@ class Trainer:
             pin_memory=self.device.type == "cuda")
         logger.info(
             "%s: %s, %.2fM parameters, %s, global batch %d (%d per data-parallel rank), "
-            "device %s", self.task.name, cfg.model.backbone, self.num_params / 1e6,
+            "device %s, attention %s", self.task.name, cfg.model.backbone, self.num_params / 1e6,
             self.dims.describe(), cfg.training.batch_size,
-            cfg.training.batch_size // self.dims.dp_degree, self.device)
+            cfg.training.batch_size // self.dims.dp_degree, self.device, self.attention)
 
     # -- loop -----------------------------------------------------------------------------------
 

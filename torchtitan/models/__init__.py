@@ -27,7 +27,7 @@ from .losses import LOSSES, build_loss, predict_probabilities
 from .mae import MaskedAutoencoder
 from .rope import RopePositionEmbedding, rope_apply
 from .segmentation import SegmentationModel, masked_bce_loss
-from .vit import Block, DinoVisionTransformer
+from .vit import Block, DinoVisionTransformer, use_attention
 
 # Settings every DINOv3 backbone shares.
 _DINOV3_COMMON: dict[str, Any] = dict(
@@ -107,4 +107,5 @@ __all__ = [
     "resolve_attention_backend",
     "rope_apply",
     "training_flops_per_sample",
+    "use_attention",
 ]

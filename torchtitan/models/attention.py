@@ -11,7 +11,11 @@ non-causal, no mask (ViT encoders attend densely). Backends:
   cast to bf16 for the kernel and the output is cast back.
 
 ``resolve_attention_backend`` turns a configured name ("sdpa", "fa4", "auto") into one of
-the two backends for a given device, failing early with an actionable message.
+the two backends for a given device, failing early with an actionable message. The trainer and
+the predictor resolve the configured name once per model build, before ``torch.compile``, and
+give every attention layer the concrete backend (``vit.use_attention``): a compiled block then
+sees a fixed kernel choice, never the resolution itself (which logs and caches, and cannot be
+traced with ``fullgraph=True``). Eager code may still pass "auto" to :func:`attention`.
 """
 
 from __future__ import annotations
@@ -109,6 +113,10 @@ def _fa4_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa") -> Tensor:
     """Dense, non-causal multi-head attention; q, k, v and the result are (B, heads, N, hd)."""
     if backend == "auto":
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "attention='auto' reached a compiled block; resolve it before torch.compile "
+                "with resolve_attention_backend() and vit.use_attention()")
         backend = _auto_backend_for(q.device)
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v)

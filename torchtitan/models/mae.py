@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .attention import ATTENTION_BACKENDS
 from .rope import RopePositionEmbedding
 from .vit import Block, DinoVisionTransformer, init_vit_module
 
@@ -226,13 +225,6 @@ class MaskedAutoencoder(nn.Module):
         """Initialise encoder and decoder (also after ``to_empty`` from the meta device)."""
         self.encoder.init_weights()
         self.decoder.init_weights()
-
-    def set_attention_backend(self, backend: str) -> None:
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"Unknown attention {backend!r}; expected one of {ATTENTION_BACKENDS}")
-        self.encoder.set_attention_backend(backend)
-        for block in self.decoder.blocks:
-            block.attn.attention = backend
 
     def forward_encoder(
         self, imgs: Tensor, mask_ratio: float, noise: Tensor

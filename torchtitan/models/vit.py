@@ -400,13 +400,6 @@ class DinoVisionTransformer(nn.Module):
         for module in self.modules():
             init_vit_module(module)
 
-    def set_attention_backend(self, backend: str) -> None:
-        """Switch every block to an attention backend ("sdpa", "fa4" or "auto")."""
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"Unknown attention {backend!r}; expected one of {ATTENTION_BACKENDS}")
-        for block in self.blocks:
-            block.attn.attention = backend
-
     # ----------------------------------------------------------- token steps
     def embed_patches(self, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
         """(B, C, *spatial) -> patch tokens (B, N, D) and grid shape."""
@@ -496,3 +489,14 @@ class DinoVisionTransformer(nn.Module):
     def forward(self, x: Tensor, masks: Tensor | None = None) -> Tensor:
         """Normalised cls token features (B, D)."""
         return self.forward_features(x, masks)["x_norm_clstoken"]
+
+
+def use_attention(model: nn.Module, backend: str) -> None:
+    """Give every attention layer of ``model`` (encoder, decoder, any wrapper) ``backend``:
+    "sdpa" or "fa4" as :func:`~torchtitan.models.attention.resolve_attention_backend` chose
+    it for the device. Call it before compiling, so compiled blocks see a fixed choice."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"Unknown attention {backend!r}; expected one of {ATTENTION_BACKENDS}")
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.attention = backend

@@ -1,0 +1,177 @@
+"""Run every shipped config in ``train_configs/`` for a few steps, as shipped, at a reduced size.
+
+A shipped config is a promise: this runs each one with torchrun, changing only what cannot run
+on the machine at hand, and prints one PASS/FAIL line per config.
+
+    python bench/shipped_configs.py --data data/demo                 # 2 CPU processes (gloo)
+    python bench/shipped_configs.py --data data/demo --dry-run       # print the commands only
+    bash bench/gpu_smoke.sh                                          # every GPU of a node (NCCL)
+
+What is changed (``reduced_overrides``): the dataset path (the demo data), the dump folder, the
+step count, the backbone (on CPU: the debug size with the same feed-forward type; on GPU the
+shipped one unless ``--backbone debug``), the MAE decoder width (CPU), the crop size (a few
+patches per axis, the patch size kept), the batch size (one sample per process), the loader
+workers (at most 1), and the class list (the shipped classes that the data annotates: the demo
+data has no endosomes, lysosomes, peroxisomes or microtubules). Everything else stays as shipped:
+compile, attention "auto", activation checkpointing, mixed precision, augmentation, class
+balancing, head, loss, checkpoint and evaluation cadence (with 2 steps, the last step
+checkpoints and validates, as every run's last step does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "train_configs"
+
+
+def shipped_configs() -> list[Path]:
+    """Every TOML in ``train_configs/``: a config added later is picked up by itself."""
+    return sorted(CONFIGS.glob("*.toml"))
+
+
+def entry_script(config: dict) -> str:
+    """MAE configs set MAE-only model keys; every other config trains segmentation."""
+    model = config.get("model", {})
+    return "train_mae.py" if "mask_ratio" in model or "decoder_dim" in model else "train_segmentation.py"
+
+
+def debug_backbone(name: str) -> str:
+    """The smallest registry backbone with the feed-forward type of ``name`` (and Meta's
+    other architecture flags, which every registry entry shares)."""
+    from torchtitan.models import BACKBONES
+
+    ffn = BACKBONES[name]["ffn_layer"]
+    candidates = [n for n, kw in BACKBONES.items() if kw["ffn_layer"] == ffn]
+    smallest = min(candidates, key=lambda n: BACKBONES[n]["embed_dim"] * BACKBONES[n]["depth"])
+    if BACKBONES[smallest]["embed_dim"] > 128:
+        raise ValueError(
+            f"no debug-size backbone with ffn_layer={ffn!r} (that of {name!r}) in "
+            "torchtitan/models/__init__.py BACKBONES; add one so the config can be tested on CPU")
+    return smallest
+
+
+def annotated_classes(data: Path, classes: list[str]) -> list[str]:
+    """Those of ``classes`` that at least one label crop of the dataset folder annotates
+    (itself or through all of its parts), in the given order."""
+    from torchtitan.datasets.cellmap import discover
+    from torchtitan.datasets.targets import annotates
+
+    crops = [crop for source in discover(str(data)) for crop in source.crops]
+    return [c for c in classes if any(annotates(crop, c) for crop in crops)]
+
+
+@dataclass
+class Reduction:
+    backbone: str = "debug"  # "debug": same ffn type, debug size; "shipped": as shipped
+    patches_2d: int = 4  # crop side in patches
+    patches_3d: int = 2
+    max_workers: int = 1
+    steps: int = 2
+    decoder_dim: int | None = 64  # MAE decoder width (heads: 2); None keeps the shipped one
+
+
+def reduced_overrides(path: Path, data: Path, dump: Path, nproc: int,
+                      reduction: Reduction = Reduction()) -> list[str]:
+    """The ``--section.key value`` flags that make the shipped config at ``path`` run here."""
+    config = tomllib.loads(path.read_text())
+    model, d = config.get("model", {}), config.get("data", {})
+    patch = model.get("patch_size", 16)
+    ndim = model.get("ndim", 2)
+    side = patch * (reduction.patches_3d if ndim == 3 else reduction.patches_2d)
+    crop = [min(c, side) for c in model.get("crop_size", [side] * ndim)]
+    args = [
+        "--job.config_file", str(path),
+        "--job.dump_folder", str(dump),
+        "--data.dataset_path", str(data),
+        "--training.steps", str(reduction.steps),
+        "--training.batch_size", str(nproc),
+        "--model.crop_size", ",".join(map(str, crop)),
+        "--data.num_workers", str(min(d.get("num_workers", 0), reduction.max_workers)),
+    ]
+    backbone = model.get("backbone")
+    if backbone and reduction.backbone == "debug":
+        args += ["--model.backbone", debug_backbone(backbone)]
+    if entry_script(config) == "train_mae.py" and reduction.decoder_dim:
+        args += ["--model.decoder_dim", str(reduction.decoder_dim),
+                 "--model.decoder_num_heads", "2"]
+    if "classes" in d and data.exists():
+        kept = annotated_classes(data, d["classes"])
+        if kept != d["classes"]:
+            args += ["--data.classes", ",".join(kept)]
+    return args
+
+
+def command(path: Path, overrides: list[str], nproc: int) -> list[str]:
+    config = tomllib.loads(path.read_text())
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(nproc), str(REPO / entry_script(config)), *overrides]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=REPO / "data" / "demo",
+                        help="a CellMap-layout dataset folder (default: data/demo; made by "
+                             "helpers/make_demo_data.py if missing)")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "shipped_configs",
+                        help="dump folders go to OUT/<config name>")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="processes per run (default: every GPU, or 2 on CPU)")
+    parser.add_argument("--backbone", choices=("debug", "shipped"), default=None,
+                        help="debug: the debug size with the same ffn type (default on CPU); "
+                             "shipped: the config's own backbone (default on GPU)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per config")
+    parser.add_argument("--only", nargs="*", default=None, help="config names to run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each command without running it")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    nproc = args.nproc or gpus or 2
+    backbone = args.backbone or ("shipped" if gpus else "debug")
+    reduction = Reduction(backbone=backbone, steps=args.steps,
+                          decoder_dim=None if backbone == "shipped" else 64)
+    if not args.data.exists() and not args.dry_run:
+        subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
+                        str(args.data)], check=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"{len(shipped_configs())} shipped configs, {nproc} processes "
+          f"({'NCCL' if gpus else 'gloo'}), backbone {backbone}, {args.steps} steps", flush=True)
+    failed = 0
+    for path in shipped_configs():
+        if args.only and path.stem not in args.only:
+            continue
+        dump = args.out / path.stem
+        cmd = command(path, reduced_overrides(path, args.data, dump, nproc, reduction),
+                      nproc)
+        if args.dry_run:
+            print(f"DRY-RUN {path.name}: {' '.join(cmd)}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                    timeout=args.timeout)
+            ok, tail = result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {args.timeout} s"
+        seconds = time.perf_counter() - t0
+        print(f"{'PASS' if ok else 'FAIL'} {path.name} ({seconds:.0f} s)", flush=True)
+        if not ok:
+            failed += 1
+            print("    " + tail.replace("\n", "\n    "), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
