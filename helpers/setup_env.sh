@@ -1,18 +1,69 @@
 #!/usr/bin/env bash
-# Create (once) the project's virtual environment in .venv from requirements.txt.
-# Sourced by run_demo.sh and run_tests.sh; re-installs only when requirements.txt changes.
-set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$ROOT/.venv}"
-PYTHON="${PYTHON:-python3}"
-stamp="$VENV/.requirements.sha256"
-want="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
-if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setting up $VENV from requirements.txt (once) ..."
-  "$PYTHON" -m venv "$VENV"
+# Create (once) the project's virtual environment in .venv from requirements.txt, then put
+# it on PATH and the repository on PYTHONPATH.
+#
+#   source helpers/setup_env.sh                      # python3 must be Python >= 3.11
+#   PYTHON=python3.11 source helpers/setup_env.sh    # choose the interpreter for the venv
+#   VENV=/elsewhere/venv source helpers/setup_env.sh # another venv folder
+#
+# Sourced by run_demo.sh, run_tests.sh and by users in their own shell; re-installs only when
+# requirements.txt changes. It leaves the options of the shell that sources it as they were
+# (no `set -e` left behind in an interactive shell): the checks and the install run in a
+# subshell, and only PATH and PYTHONPATH are exported. When Python is too old or the install
+# fails it prints why and returns non-zero, exporting nothing.
+#
+# Everything below must work under the caller's options, whatever they are (e.g. `set -u`).
+
+_em_setup_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_em_setup_venv="${VENV:-$_em_setup_root/.venv}"
+
+(
+  ROOT="$_em_setup_root"
+  VENV="$_em_setup_venv"
+  PYTHON="${PYTHON:-python3}"
+  fail() { echo "setup_env.sh: error: $*" >&2; exit 1; }
+
+  stamp="$VENV/.requirements.sha256"
+  want="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)" && [ -n "$want" ] \
+    || fail "cannot read $ROOT/requirements.txt"
+  if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    exit 0  # up to date
+  fi
+
+  # Python >= 3.11 is needed (the config reader uses the standard library's tomllib).
+  found="$(command -v "$PYTHON" 2>/dev/null)" \
+    || fail "no Python interpreter '$PYTHON' found. Python >= 3.11 is needed; choose one with" \
+            "the PYTHON variable, e.g.: PYTHON=/usr/bin/python3.11 source helpers/setup_env.sh"
+  shown="'$PYTHON'"
+  [ "$found" = "$PYTHON" ] || shown="'$PYTHON' ($found)"
+  version="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" \
+    || fail "$shown did not run. Python >= 3.11 is needed; choose another" \
+            "interpreter with the PYTHON variable, e.g.: PYTHON=python3.11 source helpers/setup_env.sh"
+  major="${version%%.*}"
+  minor="${version#*.}"
+  case "$major:$minor" in
+    *[!0-9:]* | :* | *:) fail "could not read the version of $shown: got '$version'" ;;
+  esac
+  if [ "$major" -lt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -lt 11 ]; }; then
+    fail "Python >= 3.11 is needed (tomllib), but $shown is Python $version." \
+         "Choose another interpreter with the PYTHON variable, e.g.:" \
+         "PYTHON=python3.11 source helpers/setup_env.sh (or PYTHON=python3.11 ./run_tests.sh)"
+  fi
+
+  echo "setting up $VENV from requirements.txt with Python $version ($found) (once) ..."
+  "$PYTHON" -m venv "$VENV" || fail "'$PYTHON -m venv $VENV' failed"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-  "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt"
-  echo "$want" > "$stamp"
+  "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt" \
+    || fail "installing requirements.txt into $VENV failed (see pip's message above)"
+  echo "$want" > "$stamp" || fail "cannot write $stamp"
+)
+_em_setup_rc=$?
+
+if [ "$_em_setup_rc" -eq 0 ]; then
+  export PATH="$_em_setup_venv/bin:$PATH"
+  export PYTHONPATH="$_em_setup_root${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PATH="$VENV/bin:$PATH"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+unset _em_setup_root _em_setup_venv
+# `return` when sourced, `exit` when run as a script; the status is expanded into the string
+# before eval runs, so that the helper variable can be unset too.
+eval "unset _em_setup_rc; return $_em_setup_rc 2>/dev/null || exit $_em_setup_rc"

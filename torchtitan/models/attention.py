@@ -79,7 +79,7 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> str:
             raise RuntimeError(
                 f"attention='fa4' was requested but {reason}. Use attention='sdpa' (or 'auto'), "
                 "or run on a Hopper/Blackwell GPU with the optional FlashAttention-4 extra "
-                "installed (`pip install flash-attn-4`)."
+                "installed (`pip install -r requirements-gpu.txt`)."
             )
         return "fa4"
     chosen = "fa4" if reason is None else "sdpa"
