@@ -1,6 +1,8 @@
 """The slices dataset: helpers/create_slice_dataset.py writes every plane of the label crops as
 a Hugging Face dataset that matches the zarr reading, and 2D segmentation trains (and
-validates) from it with --data.dataset_name, without the zarr stores."""
+validates) from it with --data.dataset_name, without the zarr stores. Datasets of the original
+torchtitan-segmentation's schema (e.g. eminorhan/cellmap-2d) train too, and MAE trains from
+the EM images of either."""
 
 from __future__ import annotations
 
@@ -21,11 +23,18 @@ from torchtitan.config_manager import ConfigManager  # noqa: E402
 from torchtitan.datasets.cellmap import DatasetError, discover  # noqa: E402
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data  # noqa: E402
 from torchtitan.datasets.samples import crop_grid, normalize_em  # noqa: E402
-from torchtitan.datasets.slices import build_slice_samples, load_slice_data  # noqa: E402
+from torchtitan.datasets.slices import (  # noqa: E402
+    CellMapIdLabels,
+    build_slice_mae_samples,
+    build_slice_samples,
+    load_mae_slices,
+    load_slice_data,
+)
 from torchtitan.datasets.targets import annotates  # noqa: E402
 
 HELPER = str(REPO / "helpers" / "create_slice_dataset.py")
 SEG2D = "train_configs/debug_segmentation_2d.toml"
+MAE2D = "train_configs/debug_mae_2d.toml"
 CLASSES = ["nuc", "mito", "er", "cell"]
 
 
@@ -239,3 +248,211 @@ def test_training_from_slices_without_the_zarr_stores(slices, tmp_path):
     val = [r for r in records if "val/mean_iou" in r]  # held-out crops, stacked from slices
     assert val and val[-1]["step"] == 3 and math.isfinite(val[-1]["val/mean_iou"])
     assert (dump / "checkpoint" / "step-3" / ".metadata").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# The original torchtitan-segmentation's schema (helpers/create_slice_dataset_cellmap.py there)
+# ---------------------------------------------------------------------------------------------
+
+# (crop_name, axis, planes, (h, w), CellMap ids in vertical bands): three crops; crop2 lacks
+# plane 1 (the original helper drops uniform slices); crop1's x slices are thinner than a
+# model crop (padded); 255 is no CellMap id (unknown).
+ORIGINAL_ROWS = [
+    ("jrc_a-1/recon-1/crop1", "z", [0, 1, 2, 3], (72, 80), (0, 3, 4, 35)),
+    ("jrc_a-1/recon-1/crop1", "x", [0, 1], (4, 72), (35, 0)),
+    ("jrc_a-1/recon-1/crop2", "z", [0, 2, 3], (70, 70), (0, 20, 28, 35)),
+    ("jrc_b-1/recon-1/crop7", "z", [0, 1, 2], (66, 90), (1, 60, 255, 0)),
+]
+
+
+def _bands(shape, ids) -> np.ndarray:
+    label = np.zeros(shape, np.uint8)
+    for i, part in enumerate(np.array_split(np.arange(shape[1]), len(ids))):
+        label[:, part] = ids[i]
+    return label
+
+
+def _save(tmp_path_factory, name: str, columns: dict, features=None):
+    out = tmp_path_factory.mktemp("hf") / name
+    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def original_slices(tmp_path_factory):
+    """A small dataset of the original schema: image, label (CellMap ids), crop_name, axis,
+    slice."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    columns = {"image": [], "label": [], "crop_name": [], "axis": [], "slice": []}
+    for crop, axis, planes, shape, ids in ORIGINAL_ROWS:
+        for plane in planes:
+            columns["image"].append(Image.fromarray(rng.integers(1, 256, shape, dtype=np.uint8)))
+            columns["label"].append(Image.fromarray(_bands(shape, ids)))
+            columns["crop_name"].append(crop)
+            columns["axis"].append(axis)
+            columns["slice"].append(plane)
+    features = datasets.Features({
+        "image": datasets.Image(), "label": datasets.Image(),
+        "crop_name": datasets.Value("string"), "axis": datasets.Value("string"),
+        "slice": datasets.Value("int32"),
+    })
+    return _save(tmp_path_factory, "cellmap_2d", columns, features)
+
+
+def test_cellmap_ids_give_targets_and_validity():
+    labels = CellMapIdLabels(["mito", "mito_mem", "cell", "nuc"])
+    # background, mito_mem, mito_lum, cyto, mito (composite), no CellMap id
+    target, valid = labels.targets(np.array([[0, 3, 4, 35, 50, 255]], np.uint8))
+    np.testing.assert_array_equal(target[:, 0], [[0, 1, 1, 0, 1, 0],   # mito
+                                                 [0, 1, 0, 0, 0, 0],   # mito_mem
+                                                 [0, 1, 1, 1, 1, 0],   # cell
+                                                 [0, 0, 0, 0, 0, 0]])  # nuc
+    # mito: its own id is in the slice, so background is a negative; mito_mem: the composite
+    # mito is only partly mito_mem (unknown); cell and nuc: not held whole, background invalid.
+    np.testing.assert_array_equal(valid[:, 0], [[1, 1, 1, 1, 1, 0],
+                                                [1, 1, 1, 1, 0, 0],
+                                                [0, 1, 1, 1, 1, 0],
+                                                [0, 1, 1, 1, 1, 0]])
+    # Background is a negative only in slices that hold the class whole (all its parts).
+    _, valid = labels.targets(np.array([[0, 3, 4]], np.uint8))
+    assert valid[0].tolist() == [[False, True, True]]
+    _, valid = labels.targets(np.array([[0, 3, 4, 5]], np.uint8))
+    assert valid[0].tolist() == [[True, True, True, True]]
+
+
+def test_original_schema_loads_and_validates_from_stacked_planes(original_slices):
+    cfg = _cfg("--data.dataset_name", str(original_slices), "--data.classes", "mito,nuc,cell",
+               "--data.val_crops", "crop2", "--data.planes", "zyx")
+    index, train, val = load_slice_data(cfg)
+    assert [c.full_name for c in train] == ["jrc_a-1/recon-1/crop1", "jrc_b-1/recon-1/crop7"]
+    assert [c.full_name for c in val] == ["jrc_a-1/recon-1/crop2"]
+    # The three planes present, stacked along z, taken at data.voxel_size.
+    (crop,) = val
+    origin, shape = crop_grid(crop, cfg.data.voxel_size)
+    assert shape == (3, 70, 70) and crop.voxel_size == (8.0, 8.0, 8.0)
+
+    samples = build_slice_samples(cfg, index, train)
+    assert set(samples.index.row_axis[samples.train_rows]) == {"z", "x"}
+    vol = samples.read(crop, origin, shape)
+    assert vol["image"].shape == (1, 3, 70, 70) and vol["target"].shape == (3, 3, 70, 70)
+    bands = _bands((70, 70), (0, 20, 28, 35))  # background, ne_mem, nucpl, cyto
+    target, valid = CellMapIdLabels(["mito", "nuc", "cell"]).targets(bands)
+    np.testing.assert_array_equal(vol["target"], np.repeat(target[:, None], 3, 1))
+    np.testing.assert_array_equal(vol["valid"], np.repeat(valid[:, None], 3, 1))
+    assert not vol["target"][1][:, :, :17].any() and vol["target"][1][:, :, 18:52].all()
+
+    for g in (0, 5, 77):
+        item = samples[g]
+        assert item["image"].shape == (1, 64, 64) and item["target"].shape == (3, 64, 64)
+        assert torch.all(item["target"] <= item["valid"])
+        again = samples[g]
+        for key in item:  # a sample depends on (seed, index) alone
+            assert torch.equal(item[key], again[key]), key
+
+
+def test_unknown_columns_are_a_clear_error(tmp_path_factory):
+    name = str(_save(tmp_path_factory, "unknown", {"pixels": [1, 2], "mask": [0, 1]}))
+    with pytest.raises(DatasetError) as err:
+        load_slice_data(_cfg("--data.dataset_name", name))
+    assert str(err.value) == (
+        f"data.dataset_name {name!r} has the columns ['pixels', 'mask'], which match no slices "
+        "dataset schema; expected either this project's (helpers/create_slice_dataset.py): "
+        "image, label_<class> and valid_<class> per class, annotated, dataset, crop, axis, index, "
+        "voxel_size, origin, shape; or the original torchtitan-segmentation's "
+        "(helpers/create_slice_dataset_cellmap.py, e.g. eminorhan/cellmap-2d): image, label, "
+        "crop_name, axis, slice"
+    )
+    mae = ConfigManager().parse_args(["--job.config_file", MAE2D, "--data.dataset_name", name])
+    with pytest.raises(DatasetError) as err:
+        load_mae_slices(mae)
+    assert str(err.value).startswith(
+        f"data.dataset_name {name!r} has no 'image' column of images (it has the columns "
+        "['pixels', 'mask']); MAE reads the EM images of a slices dataset: this project's")
+    # The original's 3D crops are named as such.
+    name3d = str(_save(tmp_path_factory, "cellmap_3d", {
+        "volume": [b"\0" * 8], "label": [b"\0" * 8], "crop_name": ["a/recon-1/crop1"],
+        "shape": [[2, 2, 2]]}))
+    with pytest.raises(DatasetError, match="holds whole 3D crops"):
+        load_slice_data(_cfg("--data.dataset_name", name3d))
+
+
+def test_original_schema_config_errors(original_slices):
+    with pytest.raises(DatasetError, match=r"data.classes \['mitochondria'\] are not CellMap"):
+        load_slice_data(_cfg("--data.dataset_name", str(original_slices),
+                             "--data.classes", "mito,mitochondria"))
+    with pytest.raises(DatasetError, match="model.ndim = 3; train 3D MAE"):
+        load_mae_slices(ConfigManager().parse_args([
+            "--job.config_file", "train_configs/debug_mae_3d.toml",
+            "--data.dataset_name", str(original_slices)]))
+
+
+@pytest.mark.parametrize("which", ["original_slices", "slices", "images_only"])
+def test_mae_samples_from_slices(which, request, tmp_path_factory):
+    if which == "images_only":  # like the original's EM-only sets (eminorhan/openorganelle-2d)
+        from PIL import Image
+
+        rng = np.random.default_rng(1)
+        name = _save(tmp_path_factory, "oo_2d", {
+            "image": [Image.fromarray(rng.integers(0, 256, (50 + 10 * i, 90), dtype=np.uint8))
+                      for i in range(4)],
+            "volume_name": ["jrc_x"] * 4, "part_id": ["0_0"] * 4},
+            datasets.Features({"image": datasets.Image(), "volume_name": datasets.Value("string"),
+                               "part_id": datasets.Value("string")}))
+    else:
+        name = request.getfixturevalue(which)
+    cfg = ConfigManager().parse_args(["--job.config_file", MAE2D, "--data.dataset_name",
+                                      str(name), "--augmentation.rotate_deg", "20",
+                                      "--augmentation.contrast", "0.2"])
+    data = load_mae_slices(cfg)
+    if which != "images_only":
+        assert set(data.row_axis[data.rows]) == {"z"}  # data.planes = "z"
+    samples = build_slice_mae_samples(cfg, data, num_patches=64)
+    for g in (0, 3, 999):
+        item = samples[g]
+        assert item["image"].shape == item["valid"].shape == (1, 64, 64)
+        assert item["noise"].shape == (64,) and int(item["index"]) == g
+        assert item["valid"].sum() > 0
+        again = samples[g]
+        for key in item:  # a sample depends on (seed, index) alone
+            assert torch.equal(item[key], again[key]), key
+    assert not torch.equal(samples[0]["noise"], samples[1]["noise"])
+    held_out = build_slice_mae_samples(cfg, data, seed_offset=1_000_003, num_patches=64,
+                                       augment=False)
+    assert not torch.equal(held_out[0]["noise"], samples[0]["noise"])
+
+
+@pytest.mark.distributed
+def test_training_from_original_schema_slices(original_slices, tmp_path):
+    dump = tmp_path / "run"
+    result = launch("train_segmentation.py", [
+        "--job.config_file", SEG2D, "--data.dataset_name", str(original_slices),
+        "--data.dataset_path", str(tmp_path / "no_zarr_here"), "--data.val_crops", "crop2",
+        "--job.dump_folder", str(dump), "--training.steps", "2", "--metrics.log_freq", "1",
+        "--checkpoint.interval", "2", "--no-metrics.progress_bar"], nproc=2)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert "original torchtitan-segmentation schema" in result.stdout + result.stderr
+    records = read_jsonl(dump / "logs" / "metrics.jsonl")
+    losses = [r for r in records if "loss" in r]
+    assert [r["step"] for r in losses] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in losses)
+    val = [r for r in records if "val/mean_iou" in r]  # crop2, stacked from its planes
+    assert val and val[-1]["step"] == 2 and math.isfinite(val[-1]["val/mean_iou"])
+
+
+@pytest.mark.distributed
+def test_mae_training_from_slices(original_slices, tmp_path):
+    dump = tmp_path / "run"
+    result = launch("train_mae.py", [
+        "--job.config_file", MAE2D, "--data.dataset_name", str(original_slices),
+        "--data.dataset_path", str(tmp_path / "no_zarr_here"), "--job.dump_folder", str(dump),
+        "--training.steps", "2", "--metrics.log_freq", "1", "--checkpoint.interval", "2",
+        "--no-metrics.progress_bar"], nproc=2)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    records = read_jsonl(dump / "logs" / "metrics.jsonl")
+    losses = [r for r in records if "loss" in r]
+    assert [r["step"] for r in losses] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in losses)
+    val = [r for r in records if "val/reconstruction_loss" in r]
+    assert val and math.isfinite(val[-1]["val/reconstruction_loss"])

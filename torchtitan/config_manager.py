@@ -337,7 +337,8 @@ class Data:
     )
     dataset_name: str = opt(
         "",
-        "2D segmentation from a slices dataset made by helpers/create_slice_dataset.py: a "
+        "2D segmentation or MAE from a slices dataset (helpers/create_slice_dataset.py's, or the "
+        "original project's, e.g. eminorhan/cellmap-2d; MAE: any with an image column): a "
         "save_to_disk folder or a Hugging Face Hub name; empty = read the zarr stores.",
     )
     max_resample: int = opt(

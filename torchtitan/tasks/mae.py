@@ -1,4 +1,5 @@
-"""Masked-autoencoder pretraining on unlabeled EM.
+"""Masked-autoencoder pretraining on unlabeled EM: the EM volumes of ``data.dataset_path``, or
+with ``data.dataset_name`` the EM images of a slices dataset (``datasets/slices.py``; 2D only).
 
 The masking noise of each sample is drawn by the data pipeline from the sample's own
 generator (keyed by its global index), so which patches are hidden does not depend on how
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.datasets.loader import batch_to_device, build_mae_samples, load_em_sources
+from torchtitan.datasets.slices import build_slice_mae_samples, load_mae_slices
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.common import check_backbone
@@ -37,6 +39,9 @@ class MAETask:
 
     def prepare(self) -> None:
         check_backbone(self.cfg)
+        if self.cfg.data.dataset_name:  # EM slices of a Hugging Face dataset; it logs
+            self.slices = load_mae_slices(self.cfg)
+            return
         self.sources = load_em_sources(self.cfg)
         logger.info("MAE data: %d EM volumes (%s)", len(self.sources),
                     ", ".join(s.name for s in self.sources))
@@ -45,6 +50,9 @@ class MAETask:
         return math.prod(c // self.cfg.model.patch_size for c in self.cfg.model.crop_size)
 
     def train_dataset(self, seed_offset: int = 0, augment: bool = True):
+        if self.cfg.data.dataset_name:
+            return build_slice_mae_samples(self.cfg, self.slices, seed_offset,
+                                           num_patches=self.num_patches(), augment=augment)
         return build_mae_samples(self.cfg, self.sources, seed_offset,
                                  num_patches=self.num_patches(), augment=augment)
 
