@@ -5,7 +5,7 @@ on the machine at hand, and prints one PASS/FAIL line per config.
 
     python bench/shipped_configs.py --data data/demo                 # 2 CPU processes (gloo)
     python bench/shipped_configs.py --data data/demo --dry-run       # print the commands only
-    bash bench/gpu_smoke.sh                                          # every GPU of a node (NCCL)
+    bash bench/gpu_smoke.sh                     # cluster configs on every GPU of a node (NCCL)
 
 What is changed (``reduced_overrides``): the dataset path (the demo data), the dump folder, the
 step count, the backbone (on CPU: the debug size with the same feed-forward type; on GPU the
@@ -44,15 +44,17 @@ def entry_script(config: dict) -> str:
     return "train_mae.py" if "mask_ratio" in model or "decoder_dim" in model else "train_segmentation.py"
 
 
-def debug_backbone(name: str) -> str:
+def debug_backbone(name: str, min_head_dim: int = 0) -> str:
     """The smallest registry backbone with the feed-forward type of ``name`` (and Meta's
-    other architecture flags, which every registry entry shares)."""
+    other architecture flags, which every registry entry shares) whose heads are at least
+    ``min_head_dim`` wide (GPU attention kernels such as FA4 want 64 or more)."""
     from torchtitan.models import BACKBONES
 
     ffn = BACKBONES[name]["ffn_layer"]
-    candidates = [n for n, kw in BACKBONES.items() if kw["ffn_layer"] == ffn]
+    candidates = [n for n, kw in BACKBONES.items() if kw["ffn_layer"] == ffn
+                  and kw["embed_dim"] // kw["num_heads"] >= min_head_dim]
     smallest = min(candidates, key=lambda n: BACKBONES[n]["embed_dim"] * BACKBONES[n]["depth"])
-    if BACKBONES[smallest]["embed_dim"] > 128:
+    if not min_head_dim and BACKBONES[smallest]["embed_dim"] > 128:
         raise ValueError(
             f"no debug-size backbone with ffn_layer={ffn!r} (that of {name!r}) in "
             "torchtitan/models/__init__.py BACKBONES; add one so the config can be tested on CPU")
@@ -71,7 +73,9 @@ def annotated_classes(data: Path, classes: list[str]) -> list[str]:
 
 @dataclass
 class Reduction:
-    backbone: str = "debug"  # "debug": same ffn type, debug size; "shipped": as shipped
+    # "debug": same ffn type, debug size; "small": same ffn type, smallest with 64-wide heads
+    # (for GPU kernels); "shipped": as shipped
+    backbone: str = "debug"
     patches_2d: int = 4  # crop side in patches
     patches_3d: int = 2
     max_workers: int = 1
@@ -98,8 +102,9 @@ def reduced_overrides(path: Path, data: Path, dump: Path, nproc: int,
         "--data.num_workers", str(min(d.get("num_workers", 0), reduction.max_workers)),
     ]
     backbone = model.get("backbone")
-    if backbone and reduction.backbone == "debug":
-        args += ["--model.backbone", debug_backbone(backbone)]
+    if backbone and reduction.backbone != "shipped":
+        min_head_dim = 64 if reduction.backbone == "small" else 0
+        args += ["--model.backbone", debug_backbone(backbone, min_head_dim)]
     if entry_script(config) == "train_mae.py" and reduction.decoder_dim:
         args += ["--model.decoder_dim", str(reduction.decoder_dim),
                  "--model.decoder_num_heads", "2"]
@@ -125,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="dump folders go to OUT/<config name>")
     parser.add_argument("--nproc", type=int, default=0,
                         help="processes per run (default: every GPU, or 2 on CPU)")
-    parser.add_argument("--backbone", choices=("debug", "shipped"), default=None,
-                        help="debug: the debug size with the same ffn type (default on CPU); "
-                             "shipped: the config's own backbone (default on GPU)")
+    parser.add_argument("--backbone", choices=("debug", "small", "shipped"), default="debug",
+                        help="debug: the debug size with the same ffn type (default); small: "
+                             "the smallest with the same ffn type and 64-wide heads; shipped: "
+                             "the config's own backbone")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per config")
     parser.add_argument("--only", nargs="*", default=None, help="config names to run")
@@ -139,19 +145,23 @@ def main(argv: list[str] | None = None) -> int:
 
     gpus = torch.cuda.device_count()
     nproc = args.nproc or gpus or 2
-    backbone = args.backbone or ("shipped" if gpus else "debug")
+    backbone = args.backbone
     reduction = Reduction(backbone=backbone, steps=args.steps,
                           decoder_dim=None if backbone == "shipped" else 64)
+    from torchtitan.models.attention import fa4_unavailable_reason
+
+    fa4 = fa4_unavailable_reason("cuda" if gpus else "cpu")
     if not args.data.exists() and not args.dry_run:
         subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
                         str(args.data)], check=True)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    print(f"{len(shipped_configs())} shipped configs, {nproc} processes "
-          f"({'NCCL' if gpus else 'gloo'}), backbone {backbone}, {args.steps} steps", flush=True)
+    selected = [p for p in shipped_configs() if not args.only or p.stem in args.only]
+    print(f"{len(selected)} shipped configs, {nproc} processes "
+          f"({'NCCL' if gpus else 'gloo'}), backbone {backbone}, {args.steps} steps; "
+          f"FlashAttention-4: {'available' if fa4 is None else 'no (' + fa4 + ')'}", flush=True)
     failed = 0
-    for path in shipped_configs():
-        if args.only and path.stem not in args.only:
-            continue
+    start = time.perf_counter()
+    for path in selected:
         dump = args.out / path.stem
         cmd = command(path, reduced_overrides(path, args.data, dump, nproc, reduction),
                       nproc)
@@ -170,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             failed += 1
             print("    " + tail.replace("\n", "\n    "), flush=True)
+    if not args.dry_run:
+        print(f"{failed} failed, {time.perf_counter() - start:.0f} s in all", flush=True)
     return 1 if failed else 0
 
 

@@ -148,3 +148,24 @@ def test_compiled_blocks_see_a_fixed_attention_backend(attention, ac):
         grads = {n.replace(wrapper, ""): g for n, g in grads.items()}
     for name, p in eager.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_gpu_smoke_dry_run_lists_every_cluster_config():
+    """``bench/gpu_smoke.sh --dry-run`` prints one torchrun command per cluster config, each
+    of which parses as a valid configuration."""
+    from torchtitan.config_manager import ConfigManager
+
+    result = subprocess.run(["bash", "bench/gpu_smoke.sh", "--dry-run", "--nproc", "4"],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("DRY-RUN ")]
+    cluster = sorted(p.name for p in shipped_configs() if p.stem.startswith("demo_"))
+    assert [line.split()[1].rstrip(":") for line in lines] == cluster
+    for line in lines:
+        cmd = line.split(": ", 1)[1].split()
+        assert cmd[cmd.index("--nproc_per_node") + 1] == "4"
+        script = next(i for i, a in enumerate(cmd) if a.endswith(".py") and "train_" in a)
+        cfg = ConfigManager().parse_args(cmd[script + 1:])
+        assert cfg.model.backbone == "dinov3_vits16"  # the ffn type kept, 64-wide heads
+        assert cfg.training.compile and cfg.model.attention == "auto"
+        assert cfg.training.steps == 3 and cfg.training.batch_size == 4
