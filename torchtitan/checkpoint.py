@@ -44,6 +44,7 @@ from torchtitan.parallelisms.tensor_parallel import from_storage_layout, to_stor
 logger = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+SEED_STEP = 0  # a model-only checkpoint at this step is a seed (pth_to_dcp.py, create_seed_checkpoint)
 
 
 class CheckpointError(RuntimeError):
@@ -182,10 +183,19 @@ class CheckpointManager:
 
     def resume(self) -> int:
         """Restore the latest (or ``load_step``) checkpoint of this run; returns its step, or 0
-        when there is none (then a seed checkpoint from ``initial_load_path`` is loaded)."""
-        if not self.enabled:
-            return 0
+        when there is none (then a seed checkpoint from ``initial_load_path`` is loaded).
+
+        A run whose own folder holds only a model-only ``step-0`` (a seed written there by
+        ``pth_to_dcp.py`` or ``checkpoint.create_seed_checkpoint``) starts from its weights at
+        step 0 with a fresh optimizer, as torchtitan does; once the run has saved a full
+        checkpoint, that one is resumed instead.
+        """
         steps = complete_steps(self.folder)
+        if not self.enabled:
+            if steps:
+                logger.warning("checkpoint.enable_checkpoint is off: the checkpoints in %s "
+                               "(steps %s) are not loaded", self.folder, steps)
+            return 0
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 raise CheckpointError(
@@ -193,15 +203,19 @@ class CheckpointManager:
                     f"{self.folder}/step-{self.cfg.load_step}; available steps: {steps or 'none'}"
                 )
             step = self.cfg.load_step
+            if step == SEED_STEP and not _has_optimizer_state(self.folder / f"step-{step}"):
+                return self.load_seed(self.folder / f"step-{step}")
         elif steps:
             # The newest checkpoint that can resume training (a model-only final export
             # cannot).
-            full = [s for s in steps if any(k.startswith("optimizer.") for k in
-                                            checkpoint_keys(self.folder / f"step-{s}"))]
+            full = [s for s in steps if _has_optimizer_state(self.folder / f"step-{s}")]
+            if not full and steps[-1] == SEED_STEP:
+                return self.load_seed(self.folder / f"step-{SEED_STEP}")
             if not full:
                 raise CheckpointError(
                     f"{self.folder} holds only model-only checkpoints {steps}; start a new "
-                    "dump_folder and seed it with checkpoint.initial_load_path"
+                    "dump_folder and seed it with checkpoint.initial_load_path (a model-only "
+                    "step-0 alone would be taken as the run's seed, a later one is a final export)"
                 )
             step = full[-1]
         else:
@@ -213,6 +227,38 @@ class CheckpointManager:
                                       self.cfg.exclude_from_loading)
             return 0
         return self.load_full(self.folder / f"step-{step}", self.cfg.exclude_from_loading)
+
+    def load_seed(self, path: Path) -> int:
+        """Start training from the model-only seed ``path`` in the run's own folder: its model
+        weights, step 0, a fresh optimizer and schedule.
+
+        Without ``initial_load_prefix_map``, the seed's top-level parts (``backbone.``,
+        ``encoder.``, or every part of a ``create_seed_checkpoint``) are loaded, strictly;
+        model parts the seed does not hold (a new segmentation head) keep their initialisation.
+        """
+        if (self.cfg.initial_load_path
+                and resolve_step_folder(self.cfg.initial_load_path).resolve() != path.resolve()):
+            logger.warning("checkpoint.initial_load_path %s is ignored: the run's own folder "
+                           "holds the seed %s", self.cfg.initial_load_path, path)
+        model_keys = list(get_model_state_dict(self.model))
+        seed_keys = [k[len("model."):] for k in checkpoint_keys(path) if k.startswith("model.")]
+        prefix_map = list(self.cfg.initial_load_prefix_map) or _shared_parts_map(
+            path, seed_keys, model_keys)
+        pairs = _parse_prefix_map(prefix_map)
+        _check_seed_shapes(self.model, path, pairs)
+        load_model_weights(self.model, path, prefix_map)
+        unused = _unused_seed_keys(seed_keys, model_keys, pairs)
+        if unused:  # e.g. the training-only local_cls_norm of the SAT-493M ViT-L
+            logger.info("seed checkpoint %s: %d weights not used by this model, e.g. %s",
+                        path, len(unused), unused[:5])
+        loaded = {dst for _, dst in pairs}
+        kept = sorted({_part(k) for k in model_keys} - loaded)
+        logger.info(
+            "starting from the seed checkpoint %s at step 0: model weights of %s loaded%s; "
+            "fresh optimizer and LR schedule", path, ", ".join(sorted(loaded)),
+            f", {', '.join(kept)} left as initialised (not in the seed)" if kept else "",
+        )
+        return 0
 
     def load_full(self, path: Path, exclude: list[str] = ()) -> int:
         """Restore model, optimizer, schedule and train state (minus ``exclude``) from
@@ -239,6 +285,76 @@ class CheckpointManager:
             step = self.train_state.step
         logger.info("resumed from %s%s", path, f" (not restored: {exclude})" if exclude else "")
         return step
+
+
+def _has_optimizer_state(path: Path) -> bool:
+    return any(k.startswith("optimizer.") for k in checkpoint_keys(path))
+
+
+def _part(key: str) -> str:
+    """The top-level part of a model key, as a prefix: ``backbone.blocks.0.x`` -> ``backbone.``."""
+    head, dot, _ = key.partition(".")
+    return head + dot
+
+
+def _shared_parts_map(path: Path, seed_keys: list[str], model_keys: list[str]) -> list[str]:
+    """``initial_load_prefix_map`` entries ``P=P`` for every top-level part ``P`` that both
+    the seed and the model have."""
+    seed_parts = {_part(k) for k in seed_keys}
+    model_parts = {_part(k) for k in model_keys}
+    shared = sorted(seed_parts & model_parts)
+    if not shared:
+        raise CheckpointError(
+            f"the seed checkpoint {path} holds weights under {sorted(seed_parts)}, this model "
+            f"has {sorted(model_parts)}; set checkpoint.initial_load_prefix_map (e.g. "
+            "encoder.=backbone. for an MAE encoder seed) or convert for the other model "
+            "(pth_to_dcp.py --prefix)"
+        )
+    unused = sorted(seed_parts - model_parts)
+    if unused:
+        logger.warning("seed checkpoint %s: %s not used by this model", path, ", ".join(unused))
+    return [f"{p}={p}" for p in shared]
+
+
+def _unused_seed_keys(seed_keys: list[str], model_keys: list[str],
+                      pairs: list[tuple[str, str]]) -> list[str]:
+    """Seed keys under a mapped prefix that no model key maps to."""
+    mapped = set()
+    for key in model_keys:
+        for src, dst in pairs:
+            if key.startswith(dst):
+                mapped.add(src + key[len(dst):])
+                break
+    return sorted(k for k in seed_keys
+                  if any(k.startswith(src) for src, _ in pairs) and k not in mapped)
+
+
+def _check_seed_shapes(model: torch.nn.Module, path: Path, pairs: list[tuple[str, str]]) -> None:
+    """A seed of another backbone size, dimension or channel count has the same key names as
+    the model; compare shapes so that the error says so (and what the seed was made for)."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wrong = []
+    for key, value in get_model_state_dict(model).items():
+        for src, dst in pairs:
+            if key.startswith(dst):
+                meta = stored.get(f"model.{src}{key[len(dst):]}")
+                if meta is not None and tuple(meta.size) != tuple(value.shape):
+                    wrong.append(f"{key} {tuple(meta.size)} in the seed, {tuple(value.shape)} in the model")
+                break
+    if not wrong:
+        return
+    made_for = ""
+    record = path / "conversion.json"  # written by pth_to_dcp.py
+    if record.is_file():
+        r = json.loads(record.read_text())
+        made_for = (f" It was converted for --model.backbone {r.get('backbone')} --model.ndim "
+                    f"{r.get('ndim')} --model.in_chans {r.get('in_chans')} --model.patch_size "
+                    f"{r.get('patch_size')}.")
+    raise CheckpointError(
+        f"the seed checkpoint {path} does not fit this model: {len(wrong)} shape mismatches, e.g. "
+        f"{'; '.join(wrong[:3])}.{made_for} Check model.backbone, model.ndim, model.in_chans "
+        "and model.patch_size"
+    )
 
 
 def resolve_step_folder(path: str | os.PathLike) -> Path:

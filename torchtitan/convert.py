@@ -7,11 +7,14 @@ Two directions, each used by a thin command-line script:
   if asked, inflated to 3D (``torchtitan.models.inflate``), loaded strictly into the target
   backbone, and written as a DCP *seed checkpoint*::
 
-      <dcp_root>/<backbone>_<head>/checkpoint/step-0/   keys model.backbone.<meta key>
-                                                        (or model.encoder.<meta key>)
+      <dcp_root>/<backbone>_<head>[_<data>]/checkpoint/step-0/   keys model.backbone.<meta key>
+                                                                (or model.encoder.<meta key>)
 
   which a training run loads with ``--checkpoint.initial_load_path`` and
-  ``--checkpoint.initial_load_prefix_map backbone.=backbone.`` (see ``checkpoint.py``).
+  ``--checkpoint.initial_load_prefix_map backbone.=backbone.``, or by training with
+  ``job.dump_folder = <dcp_root>/<backbone>_<head>`` (see ``CheckpointManager.resume``).
+  Given a torch hub folder, every Meta backbone file in it is found by name
+  (``find_hub_checkpoints``, ``recognise_meta_checkpoint``).
 
 * ``helpers/dcp_to_pth.py``: the model weights of any of our DCP checkpoints, read in a
   single process into plain tensors and saved with ``torch.save``; optionally only the
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.checkpoint import complete_steps
+from torchtitan.errors import UserError
 from torchtitan.models import backbone_config, build_backbone, list_backbones
 from torchtitan.models.inflate import ROPE_PERIODS, adapt_in_chans, inflate_state_dict_2d_to_3d
 
@@ -46,9 +51,12 @@ META_IN_CHANS = 3
 SEED_STEP = 0
 RECORD_FILE = "conversion.json"
 MODEL_PREFIXES = ("backbone.", "encoder.")  # where a backbone sits in a segmentation / MAE model
+# Meta's default (web image) pretraining set. Seeds of other sets (e.g. sat493m) get the set
+# as a folder suffix, so that both weights of one backbone can sit under one dcp_root.
+DEFAULT_PRETRAIN_DATA = "lvd1689m"
 
 
-class ConversionError(RuntimeError):
+class ConversionError(UserError, RuntimeError):
     """A file or option that cannot be converted as asked; the message says why."""
 
 
@@ -99,19 +107,20 @@ def _build_on_meta(name: str, **overrides) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- .pth -> DCP
-def load_pth_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """A Meta backbone ``.pth``: a flat dict of tensors, loaded on the CPU."""
+def load_pth_state_dict(path: str | os.PathLike, label: str = "--pth") -> dict[str, Tensor]:
+    """A Meta backbone ``.pth``: a flat dict of tensors, loaded on the CPU. ``label`` names
+    where the path came from in error messages."""
     path = Path(path)
     if not path.is_file():
-        raise ConversionError(f"--pth {str(path)!r} does not exist (or is not a file)")
+        raise ConversionError(f"{label} {str(path)!r} does not exist (or is not a file)")
     try:
         sd = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # corrupt file, or a pickle that is not plain weights
-        raise ConversionError(f"--pth {str(path)!r} could not be read with torch.load: {e}") from e
+        raise ConversionError(f"{label} {str(path)!r} could not be read with torch.load: {e}") from e
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
         keys = list(sd)[:5] if isinstance(sd, dict) else type(sd).__name__
         raise ConversionError(
-            f"--pth {str(path)!r} is not a plain state dict of tensors (it holds {keys}); "
+            f"{label} {str(path)!r} is not a plain state dict of tensors (it holds {keys}); "
             "expected a backbone checkpoint as published by Meta (e.g. dinov3_vitl16_*.pth)"
         )
     return sd
@@ -157,7 +166,14 @@ def convert_meta_backbone(
         notes.append("the checkpoint has local_cls_norm.*: built with untie_global_and_local_cls_norm=True")
 
     reference = _build_on_meta(backbone, ndim=META_NDIM, in_chans=META_IN_CHANS, **overrides)
-    load_strict(reference, pth_sd, source)
+    try:
+        load_strict(reference, pth_sd, source)
+    except ConversionError as e:
+        # A file of another size under this name is the usual cause: say which it is.
+        fits = backbones_fitting(pth_sd)
+        hint = (f"the tensors are those of {' / '.join(fits)}, not {backbone}" if fits else
+                "the tensors fit no backbone of torchtitan.models.list_backbones()")
+        raise ConversionError(f"{e}\n  {hint}") from None
     sd = dict(reference.state_dict())
     patch_size = reference.patch_size
 
@@ -187,9 +203,87 @@ def convert_meta_backbone(
     return ConvertedBackbone(dict(target.state_dict()), backbone, ndim, in_chans, patch_size, overrides, notes)
 
 
-def seed_checkpoint_dir(dcp_root: str | os.PathLike, backbone: str, head: str) -> Path:
-    """``<dcp_root>/<backbone>_<head>/checkpoint/step-0``."""
-    return Path(dcp_root) / f"{backbone}_{head}" / "checkpoint" / f"step-{SEED_STEP}"
+def backbones_fitting(pth_sd: dict[str, Tensor]) -> list[str]:
+    """Registry backbones whose 2D RGB model has exactly the keys and shapes of ``pth_sd``."""
+    shapes = {k: tuple(v.shape) for k, v in pth_sd.items()}
+    overrides = {}
+    if any(k.startswith("local_cls_norm.") for k in pth_sd):
+        overrides["untie_global_and_local_cls_norm"] = True
+    fits = []
+    for name in list_backbones():
+        model = _build_on_meta(name, ndim=META_NDIM, in_chans=META_IN_CHANS, **overrides)
+        if {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes:
+            fits.append(name)
+    return fits
+
+
+def seed_checkpoint_dir(dcp_root: str | os.PathLike, backbone: str, head: str, suffix: str = "") -> Path:
+    """``<dcp_root>/<backbone>_<head>[_<suffix>]/checkpoint/step-0``."""
+    name = f"{backbone}_{head}" + (f"_{suffix}" if suffix else "")
+    return Path(dcp_root) / name / "checkpoint" / f"step-{SEED_STEP}"
+
+
+# ----------------------------------------------------------------------------- torch hub folder
+# Torch hub names downloads <name>-<first hex digits of the sha256>.pth; Meta's backbone files
+# are <backbone>_pretrain_<data>, e.g. dinov3_vitl16_pretrain_lvd1689m-8aa4cbdd.pth. Other
+# files in the same folder (heads, text encoders, ConvNeXts, other models) are not backbones.
+_DOWNLOAD_TAIL = re.compile(r"-[0-9A-Za-z]+$")
+_PRETRAIN_NAME = re.compile(r"^(?P<backbone>.+?)_pretrain_(?P<data>[0-9a-z]+)$")
+
+
+class NotABackboneFile(ValueError):
+    """A ``.pth`` whose name is not that of a Meta DINOv3 backbone checkpoint; says why."""
+
+
+@dataclass
+class HubCheckpoint:
+    """A Meta backbone file found in a torch hub folder, recognised by its name."""
+
+    path: Path
+    backbone: str  # registry name (torchtitan.models.list_backbones())
+    data: str  # pretraining set named in the file, e.g. lvd1689m or sat493m
+
+    @property
+    def suffix(self) -> str:
+        """Seed folder suffix: none for the default pretraining set, else the set's name."""
+        return "" if self.data == DEFAULT_PRETRAIN_DATA else self.data
+
+
+def find_hub_checkpoints(hub: str | os.PathLike) -> list[Path]:
+    """The ``.pth`` files in ``<hub>/checkpoints`` (where torch hub downloads to) and ``<hub>``."""
+    hub = Path(hub)
+    if not hub.is_dir():
+        raise ConversionError(f"--torch_hub_path {str(hub)!r} is not a folder")
+    found = []
+    for folder in (hub / "checkpoints", hub):
+        if folder.is_dir():
+            found += sorted(p for p in folder.iterdir() if p.suffix == ".pth" and p.is_file())
+    return found
+
+
+def recognise_meta_checkpoint(path: str | os.PathLike) -> HubCheckpoint:
+    """The backbone and pretraining set a file name stands for; ``NotABackboneFile`` (with the
+    reason) for a file that is not a backbone checkpoint of a registered backbone."""
+    path = Path(path)
+    stem = _DOWNLOAD_TAIL.sub("", path.stem)
+    names = list_backbones()
+    if stem in names:  # a renamed file, e.g. dinov3_vitl16.pth: no set named, the default one
+        return HubCheckpoint(path, stem, DEFAULT_PRETRAIN_DATA)
+    m = _PRETRAIN_NAME.match(stem)
+    if m and m["backbone"] in names:
+        return HubCheckpoint(path, m["backbone"], m["data"])
+    if m:
+        raise NotABackboneFile(f"{m['backbone']} is not a backbone of torchtitan.models.list_backbones()")
+    named_after = [n for n in names if stem.startswith(n + "_")]
+    if named_after:
+        raise NotABackboneFile(
+            f"named after {max(named_after, key=len)} but not its backbone weights (those are "
+            "named <backbone>_pretrain_<data>-<hash>.pth); a head or text encoder?"
+        )
+    raise NotABackboneFile(
+        "its name starts with no backbone of torchtitan.models.list_backbones() (expected e.g. "
+        "dinov3_vitl16_pretrain_lvd1689m-8aa4cbdd.pth)"
+    )
 
 
 def save_seed_checkpoint(
