@@ -22,8 +22,7 @@ import argparse
 import sys
 
 from torchtitan.checkpoint import CheckpointError
-from torchtitan.config_manager import ConfigError
-from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.metrics import report_user_error, setup_logging
 
 
@@ -39,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--manifest", help="CSV of crops to predict (crop_name, dataset, origin_z/y/x "
                                       "nm, shape_z/y/x, voxel_size_z/y/x nm), e.g. test crops")
     p.add_argument("--out", required=True, help="output zarr (created or updated)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="predict regions again that --out already holds finished (default: "
+                        "refuse; unfinished regions of an interrupted run are redone anyway)")
     p.add_argument("--probabilities", action="store_true", help="write float32 probabilities")
     p.add_argument("--threshold", type=float, default=None,
                    help="mask threshold (default: the run's inference.threshold)")
@@ -66,9 +68,9 @@ def main(argv=None) -> int:
 
     try:
         written = predict_regions(args)
-    except (ConfigError, DatasetError, CheckpointError) as e:
+    except (UserError, CheckpointError) as e:  # ConfigError, DatasetError, ...: one message
         report_user_error(e, rank)
-        return 2
+        return USER_ERROR_EXIT
     if rank == 0:
         for path in written:
             print(f"wrote {path}")

@@ -40,6 +40,7 @@ from torchtitan.convert import (
     seed_checkpoint_dir,
 )
 from torchtitan.models import list_backbones
+from torchtitan.errors import USER_ERROR_EXIT, UserError, print_user_error
 
 DEFAULT_BACKBONE = "dinov3_vitl16"  # of a --pth file
 
@@ -143,7 +144,7 @@ def convert_one(args, head: str) -> int:
                                      source=f"--pth {args.pth}", label="--pth")
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     print("train from it with (plus your --job.config_file and other options):")
     print(f"  torchrun --nproc_per_node <N> {train_script(args)} \\\n"
           f"    {training_flags(args, backbone, step_dir, patch_size)}")
@@ -175,18 +176,18 @@ def convert_hub(args, head: str) -> int:
         files = find_hub_checkpoints(hub)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     if not files:
         print(f"error: no .pth file in {hub / 'checkpoints'} or {hub}; put Meta's DINOv3 backbone "
               "checkpoints there (e.g. dinov3_vitl16_pretrain_lvd1689m-8aa4cbdd.pth)", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     found, skipped = recognise(files, args.backbone)
     for path, why in skipped:
         print(f"skipped {path}: {why}")
     if not found:
         print(f"error: none of the {len(files)} .pth files in {hub} is a DINOv3 backbone checkpoint "
               "to convert (see 'skipped' above)", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
 
     # Two files of one backbone and pretraining set (e.g. two downloads) would write one folder.
     targets: dict[Path, list[Path]] = {}
@@ -197,7 +198,7 @@ def convert_hub(args, head: str) -> int:
         if len(paths) > 1:
             print(f"error: {', '.join(map(str, paths))} would all be written to {step_dir}; keep "
                   "one of them in the hub folder, or convert each with --pth", file=sys.stderr)
-            return 1
+            return USER_ERROR_EXIT
 
     print(f"converting {len(found)} backbone checkpoint(s) from {hub} into {args.dcp_root}")
     done, failed = [], []
@@ -217,8 +218,8 @@ def convert_hub(args, head: str) -> int:
         done.append((ckpt.backbone, step_dir, patch_size))
 
     if done:
-        print(f"\ntrain from them with (plus your --job.config_file and other options); a run "
-              f"starts from the step-0 in its dump folder:")
+        print("\ntrain from them with (plus your --job.config_file and other options); a run "
+              "starts from the step-0 in its dump folder:")
         for backbone, step_dir, patch_size in done:
             print(f"  torchrun --nproc_per_node <N> {train_script(args)} --job.dump_folder "
                   f"{step_dir.parent.parent} \\\n"
@@ -226,7 +227,7 @@ def convert_hub(args, head: str) -> int:
     if failed:
         print(f"error: {len(failed)} of {len(found)} files were not converted: "
               f"{', '.join(str(p) for p in failed)} (reasons above)", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     return 0
 
 
@@ -240,5 +241,14 @@ def main(argv=None) -> int:
     return convert_one(args, head)
 
 
+def cli(argv=None) -> int:
+    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
+    argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -12,6 +12,9 @@
 #SBATCH --time=24:00:00
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --requeue
+# SIGUSR1 to the batch shell 5 minutes before the time limit: save, then requeue
+# (helpers/slurm_launch.sh). Keep it above the time one step and one checkpoint save take.
+#SBATCH --signal=B:USR1@300
 
 SCRIPT=${SCRIPT:-train_segmentation.py}
 # Under sbatch the script runs from a spool copy: find the repository from the submit folder.

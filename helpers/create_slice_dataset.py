@@ -53,6 +53,7 @@ from helpers.plot_volumes_single import (  # noqa: E402
 from torchtitan.datasets.cellmap import AXES, DatasetError  # noqa: E402
 from torchtitan.datasets.samples import SegmentationSamples, crop_grid  # noqa: E402
 from torchtitan.datasets.targets import annotates  # noqa: E402
+from torchtitan.errors import USER_ERROR_EXIT, UserError, print_user_error, redact_secrets  # noqa: E402
 
 NO_TOKEN_EXIT = 2
 
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
             return NO_TOKEN_EXIT
     if out.exists() and any(out.iterdir()) and not args.force:
         print(f"error: {out} exists and is not empty; use --force to replace it", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
 
     import datasets
 
@@ -215,16 +216,16 @@ def main(argv=None) -> int:
         pairs = all_crops(load_sources(args.zarr))
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     if not pairs:
         print(f"error: {args.zarr}: no label crops (<ds>.zarr/recon-1/labels/groundtruth/crop<N>)",
               file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     classes = parse_list(args.classes) or sorted({c for _, crop in pairs for c in crop.classes})
     unknown = [c for c in classes if not any(annotates(crop, c) for _, crop in pairs)]
     if unknown:
         print(f"error: --classes {unknown} are annotated by no crop", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     crops = [crop.full_name for _, crop in pairs]
     print(f"{len(crops)} crops, classes {', '.join(classes)}, axes {','.join(args.axes)}, "
           f"voxel size {'x'.join(f'{v:g}' for v in args.voxel_size)} nm")
@@ -251,12 +252,27 @@ def main(argv=None) -> int:
           f"{time.perf_counter() - start:.1f} s; train with --data.dataset_name {out}")
 
     if args.push_to_hub:
-        datasets.load_from_disk(str(out)).push_to_hub(args.push_to_hub, private=args.private,
-                                                      token=token)
+        try:
+            datasets.load_from_disk(str(out)).push_to_hub(args.push_to_hub, private=args.private,
+                                                          token=token)
+        except Exception as e:  # noqa: BLE001 - any Hub failure: one message, token redacted
+            print(f"error: pushing {out} to the Hugging Face Hub as {args.push_to_hub} failed: "
+                  f"{type(e).__name__}: {redact_secrets(str(e))} (the dataset is written to "
+                  f"{out}; push it again later)", file=sys.stderr)
+            return USER_ERROR_EXIT
         print(f"pushed to the Hugging Face Hub as {args.push_to_hub}; train with "
               f"--data.dataset_name {args.push_to_hub}")
     return 0
 
 
+def cli(argv=None) -> int:
+    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
+    argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

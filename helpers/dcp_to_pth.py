@@ -30,6 +30,7 @@ from torchtitan.convert import (  # noqa: E402
     save_pth,
     select_weights,
 )
+from torchtitan.errors import USER_ERROR_EXIT, UserError, print_user_error  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,12 +55,21 @@ def main(argv=None) -> int:
         out = save_pth(cast_weights(weights, DTYPES[args.dtype]), args.out)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     n_values = sum(t.numel() for t in weights.values())
     print(f"read {path}")
     print(f"wrote {out}: {len(weights)} tensors ({n_values / 1e6:.1f}M values, {args.what}, {args.dtype})")
     return 0
 
 
+def cli(argv=None) -> int:
+    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
+    argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

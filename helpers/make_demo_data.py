@@ -23,6 +23,7 @@ from torchtitan.datasets.demo_data import (  # noqa: E402
     preview_png,
     summarize_demo_data,
 )
+from torchtitan.errors import UserError, print_user_error  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,5 +53,14 @@ def main(argv=None) -> None:
         print(f"Saved preview to {args.preview}")
 
 
+def cli(argv=None) -> int:
+    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
+    argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

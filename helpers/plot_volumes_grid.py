@@ -30,6 +30,8 @@ from helpers.plot_volumes_single import (  # noqa: E402
     read_crop_volume,
 )
 from torchtitan.visualization import grid_frames, save_gif  # noqa: E402
+from torchtitan.datasets.cellmap import DatasetError  # noqa: E402
+from torchtitan.errors import UserError, print_user_error  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,7 +58,7 @@ def main(argv=None) -> None:
     names = parse_list(args.crops)
     pairs = all_crops(sources) if names is None else [find_crop(sources, n) for n in names]
     if not pairs:
-        raise SystemExit(f"no label crops under {args.data}")
+        raise DatasetError(f"no label crops under {args.data}")
     classes = parse_list(args.classes) or canonical_order(c for _, crop in pairs for c in crop.classes)
     voxel_size = parse_voxel_size(args.voxel_size)
 
@@ -76,5 +78,14 @@ def main(argv=None) -> None:
         print(f"wrote {args.png}")
 
 
+def cli(argv=None) -> int:
+    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
+    argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

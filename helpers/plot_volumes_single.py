@@ -44,6 +44,7 @@ from torchtitan.datasets.cellmap import (  # noqa: E402
 )
 from torchtitan.datasets.samples import crop_grid  # noqa: E402
 from torchtitan.visualization import CLASS_COLORS, comparison_frames, save_gif  # noqa: E402
+from torchtitan.errors import UserError, print_user_error  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Finding and reading crops (shared with plot_volumes_grid.py)
@@ -223,5 +224,14 @@ def main(argv=None) -> None:
         print(f"wrote {args.png}")
 
 
+def cli(argv=None) -> int:
+    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
+    argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

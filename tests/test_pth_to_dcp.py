@@ -237,7 +237,7 @@ def test_missing_and_unexpected_keys_are_named(tmp_path, capsys):
     torch.save(sd, pth)
     rc, out = _convert(capsys, "--pth", str(pth), "--dcp_root", str(tmp_path / "seeds"),
                        "--backbone", "vit_debug")
-    assert rc == 1
+    assert rc == 2
     assert "error:" in out.err and "missing keys: blocks.1.ls2.gamma" in out.err, out.err
     assert "unexpected keys: head.weight" in out.err, out.err
     assert not (tmp_path / "seeds" / "vit_debug_linear" / "checkpoint" / "step-0").exists()
@@ -246,14 +246,14 @@ def test_missing_and_unexpected_keys_are_named(tmp_path, capsys):
 def test_wrong_backbone_names_the_mismatched_shapes(meta_pth, tmp_path, capsys):
     rc, out = _convert(capsys, "--pth", str(meta_pth), "--dcp_root", str(tmp_path),
                        "--backbone", "vit_tiny")
-    assert rc == 1 and "shape mismatches" in out.err, out.err
+    assert rc == 2 and "shape mismatches" in out.err, out.err
     assert "blocks.0.attn.proj.weight (64, 64) (model: (96, 96))" in out.err, out.err
 
 
 def test_missing_pth_file(tmp_path, capsys):
     rc, out = _convert(capsys, "--pth", str(tmp_path / "nowhere.pth"), "--dcp_root", str(tmp_path),
                        "--backbone", "vit_debug")
-    assert rc == 1 and "nowhere.pth" in out.err and "does not exist" in out.err, out.err
+    assert rc == 2 and "nowhere.pth" in out.err and "does not exist" in out.err, out.err
 
 
 def test_existing_seed_is_kept_unless_overwrite(meta_pth, tmp_path, capsys):
@@ -265,7 +265,7 @@ def test_existing_seed_is_kept_unless_overwrite(meta_pth, tmp_path, capsys):
     assert "model.encoder.cls_token" in checkpoint_keys(step0)
     assert "train_mae.py" in out.out and "encoder.=encoder." in out.out
     rc, out = _convert(capsys, *args)
-    assert rc == 1 and "--overwrite" in out.err
+    assert rc == 2 and "--overwrite" in out.err
     rc, out = _convert(capsys, *args, "--overwrite")
     assert rc == 0
 
@@ -273,7 +273,7 @@ def test_existing_seed_is_kept_unless_overwrite(meta_pth, tmp_path, capsys):
 def test_dcp_to_pth_without_a_checkpoint(tmp_path, capsys):
     rc = _dcp_to_pth("--dcp", str(tmp_path), "--out", str(tmp_path / "x.pth"))
     err = capsys.readouterr().err
-    assert rc == 1 and "not a complete DCP checkpoint" in err
+    assert rc == 2 and "not a complete DCP checkpoint" in err
     assert not (tmp_path / "x.pth").exists()
 
 
@@ -372,9 +372,9 @@ def test_hub_folder_names_seeds_by_backbone_and_pretraining_set(tmp_path, capsys
 
     # --backbone picks one backbone's files; existing seeds are kept unless --overwrite.
     rc, out = _convert(capsys, "--torch_hub_path", str(hub), "--backbone", "vit_tiny")
-    assert rc == 1 and "--backbone vit_tiny was asked for" in out.out and "none of the" in out.err
+    assert rc == 2 and "--backbone vit_tiny was asked for" in out.out and "none of the" in out.err
     rc, out = _convert(capsys, "--torch_hub_path", str(hub))
-    assert rc == 1 and out.err.count("already exists; pass --overwrite") == 2, out.err
+    assert rc == 2 and out.err.count("already exists; pass --overwrite") == 2, out.err
     rc, out = _convert(capsys, "--torch_hub_path", str(hub), "--overwrite")
     assert rc == 0, out.err
 
@@ -384,7 +384,7 @@ def test_hub_file_of_another_size_is_a_clear_error(tmp_path, capsys):
     hub = _hub(tmp_path, {"checkpoints/dinov3_vits16_pretrain_lvd1689m-deadbeef.pth": _meta_state_dict(),
                           "checkpoints/vit_debug_pretrain_lvd1689m-0a1b2c3d.pth": _meta_state_dict()})
     rc, out = _convert(capsys, "--torch_hub_path", str(hub), "--dcp_root", str(tmp_path / "out"))
-    assert rc == 1
+    assert rc == 2
     assert "dinov3_vits16_pretrain_lvd1689m-deadbeef.pth (a dinov3_vits16 checkpoint by its name) " \
            "does not match the model" in out.err, out.err
     assert "shape mismatches" in out.err
@@ -397,17 +397,17 @@ def test_hub_file_of_another_size_is_a_clear_error(tmp_path, capsys):
 def test_hub_folder_without_backbones_and_source_options(tmp_path, capsys):
     hub = _hub(tmp_path, {})
     rc, out = _convert(capsys, "--torch_hub_path", str(hub))
-    assert rc == 1 and f"no .pth file in {hub / 'checkpoints'}" in out.err, out.err
+    assert rc == 2 and f"no .pth file in {hub / 'checkpoints'}" in out.err, out.err
     torch.save({}, hub / "checkpoints" / "resnet50-0676ba61.pth")
     rc, out = _convert(capsys, "--torch_hub_path", str(hub))
-    assert rc == 1 and "skipped" in out.out and "resnet50" in out.out and "none of the 1 .pth" in out.err
+    assert rc == 2 and "skipped" in out.out and "resnet50" in out.out and "none of the 1 .pth" in out.err
     rc, out = _convert(capsys, "--torch_hub_path", str(tmp_path / "nowhere"))
-    assert rc == 1 and "is not a folder" in out.err
+    assert rc == 2 and "is not a folder" in out.err
     # Two downloads of one backbone and set would write one folder.
     torch.save(_meta_state_dict(), hub / "checkpoints" / "vit_debug_pretrain_lvd1689m-00000001.pth")
     torch.save(_meta_state_dict(), hub / "vit_debug_pretrain_lvd1689m-00000002.pth")
     rc, out = _convert(capsys, "--torch_hub_path", str(hub), "--dcp_root", str(tmp_path / "out"))
-    assert rc == 1 and "would all be written to" in out.err and not (tmp_path / "out").exists()
+    assert rc == 2 and "would all be written to" in out.err and not (tmp_path / "out").exists()
     # --pth and --torch_hub_path are alternatives: exactly one.
     for args in ([], ["--pth", "x.pth", "--torch_hub_path", str(hub)]):
         with pytest.raises(SystemExit) as exit_:

@@ -143,7 +143,7 @@ def test_push_to_hub_without_a_token_stops_with_a_clear_message(demo_data, tmp_p
 def test_existing_output_needs_force(slices, demo_data, capsys):
     from helpers.create_slice_dataset import main
 
-    assert main(["--zarr", str(demo_data), "--out", str(slices)]) == 1
+    assert main(["--zarr", str(demo_data), "--out", str(slices)]) == 2
     assert "--force" in capsys.readouterr().err
 
 

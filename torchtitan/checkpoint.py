@@ -9,7 +9,10 @@ Layout: ``<dump_folder>/<checkpoint.folder>/step-N/`` holds one DCP checkpoint w
 
 A checkpoint is written to ``.step-N.tmp`` and renamed to ``step-N`` only once every rank
 has finished and DCP has written ``.metadata``, so a crash mid-save never leaves a folder
-that loading would take. Because DCP reshards on load, a checkpoint written under FSDP on two
+that loading would take. A save that fails (a full disk on any rank) removes its ``.tmp``
+folder and stops every rank with a :class:`CheckpointError`; the previous ``step-N`` stays.
+Temporary folders left by a killed job are removed at the next start, and a ``step-N`` whose
+``.metadata`` cannot be read is skipped (with a warning) in favour of the one before. Because DCP reshards on load, a checkpoint written under FSDP on two
 ranks loads under DDP or on one process.
 
 Tensors are always stored in their unsharded layout (Meta's, for the ViT). The one tensor that
@@ -20,6 +23,7 @@ TP checkpoint loads under any parallelism and vice versa.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,15 +44,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.errors import UserError
 from torchtitan.parallelisms.tensor_parallel import from_storage_layout, to_storage_layout
 
 logger = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+# Left behind by a job killed mid-save (checkpoint) or mid-write (best.json); never loadable.
+STALE_TMP_RE = re.compile(r"^(\.step-\d+\.tmp|\.best\.json\.tmp)$")
 SEED_STEP = 0  # a model-only checkpoint at this step is a seed (pth_to_dcp.py, create_seed_checkpoint)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used as asked; the message says why and what to do."""
 
 
@@ -71,6 +79,22 @@ def complete_steps(folder: str | os.PathLike) -> list[int]:
         if m and (p / ".metadata").is_file():
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def readable_steps(folder: str | os.PathLike) -> list[int]:
+    """:func:`complete_steps` whose DCP ``.metadata`` can be read, ascending; a step whose
+    metadata is corrupt (truncated, garbage) is skipped with a warning naming it."""
+    steps = []
+    for step in complete_steps(folder):
+        path = Path(folder) / f"step-{step}"
+        try:
+            dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as e:  # unpickling garbage raises almost anything
+            logger.warning("skipping checkpoint %s: its .metadata cannot be read (%s: %s); "
+                           "an earlier checkpoint is used instead", path, type(e).__name__, e)
+            continue
+        steps.append(step)
+    return steps
 
 
 def checkpoint_keys(path: str | os.PathLike) -> set[str]:
@@ -132,19 +156,63 @@ class CheckpointManager:
         else:
             state = to_storage_layout(self._state())
         if self.cfg.async_mode == "async" and not model_only:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            try:
+                future = dcp.async_save(state, storage_writer=self._storage_writer(tmp),
+                                        process_group=self.async_group)
+            except (Exception, CheckpointException) as e:
+                self._save_failed(step, e)
             self.pending = (future, step)
             return final
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, storage_writer=self._storage_writer(tmp))
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            self._save_failed(step, e)
         self._finalize(step)
         return final
+
+    def _storage_writer(self, path: Path) -> dcp.FileSystemWriter:
+        """Where DCP writes a checkpoint. The one seam through which tests substitute a storage
+        layer that fails (a full disk), to check what a failed save leaves behind."""
+        return dcp.FileSystemWriter(str(path))
+
+    def _save_failed(self, step: int, error: BaseException) -> None:
+        """Clean up after a failed save and raise a :class:`CheckpointError` saying what to do.
+
+        DCP gathers every rank's write result before it writes ``.metadata`` and raises the
+        same ``CheckpointException`` on all ranks when any of them failed, so every rank gets
+        here together: rank 0 removes the partial ``.tmp`` folder and no rank waits for
+        another. The previous ``step-N`` folders are never touched by a save.
+        """
+        tmp = self.folder / f".step-{step}.tmp"
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        causes = _failure_causes(error)
+        if not any(isinstance(c, OSError) for _, c in causes):
+            raise error  # not a storage problem: a bug, shown with its traceback
+        previous = [s for s in complete_steps(self.folder) if s < step]
+        kept = (f"the previous checkpoint {self.folder / f'step-{previous[-1]}'} is intact and "
+                "a relaunch of the same command resumes from it" if previous else
+                "there is no earlier checkpoint, so a relaunch starts from step 0")
+        no_space = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)
+                       for _, c in causes)
+        what = "the disk is full" if no_space else "a storage error"
+        detail = "; ".join(f"rank {r}: {c}" for r, c in causes if isinstance(c, OSError))
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} to {tmp} failed: {what} ({detail}). The "
+            f"partial folder was removed and {kept}. Free space on the disk holding "
+            f"{self.folder}, or set job.dump_folder to a disk with room (copy the checkpoint "
+            "folder along to resume there)"
+        ) from None
 
     def wait(self) -> None:
         """Finish a pending asynchronous save (no-op when there is none)."""
         if self.pending is not None:
             future, step = self.pending
-            future.result()
             self.pending = None
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:
+                self._save_failed(step, e)
             self._finalize(step)
 
     def _finalize(self, step: int) -> None:
@@ -190,12 +258,14 @@ class CheckpointManager:
         step 0 with a fresh optimizer, as torchtitan does; once the run has saved a full
         checkpoint, that one is resumed instead.
         """
-        steps = complete_steps(self.folder)
+        self.remove_stale_tmp()
         if not self.enabled:
+            steps = complete_steps(self.folder)
             if steps:
                 logger.warning("checkpoint.enable_checkpoint is off: the checkpoints in %s "
                                "(steps %s) are not loaded", self.folder, steps)
-            return 0
+            return self._load_initial()  # a warm start needs no checkpointing of this run
+        steps = readable_steps(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 raise CheckpointError(
@@ -219,14 +289,35 @@ class CheckpointManager:
                 )
             step = full[-1]
         else:
-            if self.cfg.initial_load_path and self.cfg.initial_load_model_only:
-                load_model_weights(self.model, self.cfg.initial_load_path,
-                                   self.cfg.initial_load_prefix_map)
-            elif self.cfg.initial_load_path:
-                return self.load_full(resolve_step_folder(self.cfg.initial_load_path),
-                                      self.cfg.exclude_from_loading)
+            return self._load_initial()
+        # This run's own checkpoint: everything is restored (exclude_from_loading is for warm
+        # starts only, else every restart would reset the step and the optimizer).
+        return self.load_full(self.folder / f"step-{step}")
+
+    def _load_initial(self) -> int:
+        """Warm start from ``initial_load_path`` (another run's checkpoint or a seed): model
+        weights only, or everything but ``exclude_from_loading``; returns the restored step."""
+        if not self.cfg.initial_load_path:
             return 0
-        return self.load_full(self.folder / f"step-{step}", self.cfg.exclude_from_loading)
+        if self.cfg.initial_load_model_only:
+            load_model_weights(self.model, self.cfg.initial_load_path,
+                               self.cfg.initial_load_prefix_map)
+            return 0
+        return self.load_full(resolve_step_folder(self.cfg.initial_load_path),
+                              self.cfg.exclude_from_loading)
+
+    def remove_stale_tmp(self) -> None:
+        """Remove the ``.step-N.tmp`` / ``.best.json.tmp`` left by a job killed mid-write
+        (rank 0, before anything else reads or writes the folder)."""
+        if _is_rank0() and self.folder.is_dir():
+            for p in self.folder.iterdir():
+                if STALE_TMP_RE.match(p.name):
+                    logger.warning("removing %s, left by an interrupted save", p)
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+        _barrier()
 
     def load_seed(self, path: Path) -> int:
         """Start training from the model-only seed ``path`` in the run's own folder: its model
@@ -285,6 +376,15 @@ class CheckpointManager:
             step = self.train_state.step
         logger.info("resumed from %s%s", path, f" (not restored: {exclude})" if exclude else "")
         return step
+
+
+def _failure_causes(error: BaseException) -> list[tuple[int | None, BaseException]]:
+    """(rank, exception) of each failure inside a DCP ``CheckpointException`` (which carries
+    every failed rank's exception), or of a plain exception (rank unknown)."""
+    if isinstance(error, CheckpointException):
+        return [(rank, pair[0] if isinstance(pair, tuple) else pair)
+                for rank, pair in error.failures.items()]
+    return [(None, error)]
 
 
 def _has_optimizer_state(path: Path) -> bool:
@@ -360,8 +460,8 @@ def _check_seed_shapes(model: torch.nn.Module, path: Path, pairs: list[tuple[str
 def resolve_step_folder(path: str | os.PathLike) -> Path:
     """A step folder as given, or the latest complete step of a run's checkpoint folder."""
     path = Path(path)
-    if not (path / ".metadata").is_file() and complete_steps(path):
-        path = path / f"step-{complete_steps(path)[-1]}"
+    if not (path / ".metadata").is_file() and readable_steps(path):
+        path = path / f"step-{readable_steps(path)[-1]}"
     return path
 
 

@@ -26,6 +26,8 @@ This module sits on the lowest floor: it imports only the standard library and `
 
 import dataclasses
 import difflib
+import logging
+import math
 import os
 import sys
 import tempfile
@@ -61,7 +63,13 @@ _SCALAR_TYPES = (bool, int, float, str)
 _LIST_TYPES = (list[str], list[int], list[float])
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Base of every error a user's input can cause (config, data, checkpoint path, command
+    line): entry points print its message once, without a traceback, and exit with status 2.
+    Defined here, on the lowest floor, and re-exported by :mod:`torchtitan.errors`."""
+
+
+class ConfigError(UserError, ValueError):
     """A user-facing configuration problem; the message says what to change."""
 
 
@@ -127,6 +135,10 @@ def _minus_one_or_positive(value: int) -> bool:
     return value == -1 or value >= 1
 
 
+def _empty_or_increasing_pair(value: list[float]) -> bool:
+    return value == [] or (len(value) == 2 and value[0] < value[1])
+
+
 # ---------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------
@@ -179,6 +191,26 @@ class Training:
         choices=("float32", "bfloat16"),
     )
     gc_freq: int = opt(50, "Run Python garbage collection every N steps.", min=1)
+    preemption_signals: list[str] = opt(
+        ["SIGTERM", "SIGUSR1"],
+        "Signals that make the run save a checkpoint at the next step boundary and exit with "
+        "the requeue code 3 (torchtitan.preemption.REQUEUE_EXIT_CODE); [] keeps the default "
+        "actions. Under torchrun add SIGUSR1 to --signals_to_handle (helpers/slurm_launch.sh).",
+        check=(lambda v: all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+                             for s in v),
+               "entries must be SIGTERM, SIGUSR1, SIGUSR2, SIGINT or SIGHUP"),
+    )
+    time_limit: str = opt(
+        "", "Wall-clock limit 'HH:MM:SS' from launch (env TORCHTITAN_LAUNCH_TIME, else process "
+        "start): when reached, save and exit with the requeue code as on a preemption signal; "
+        "'' = none.",
+        check=(lambda v: v == "" or (len(v.split(":")) == 3
+                                     and all(x.isdigit() for x in v.split(":"))),
+               "must be 'HH:MM:SS' or ''"),
+    )
+    max_skipped_steps: int = opt(
+        5, "Stop the run after this many non-finite (NaN/Inf loss or gradient norm) steps in a "
+        "row; each such step is skipped (no update).", min=1)
 
 
 @dataclass
@@ -235,8 +267,10 @@ class Checkpoint:
     )
     exclude_from_loading: list[str] = opt(
         [],
-        "Parts of a checkpoint not restored on resume (model, optimizer, lr_scheduler, "
-        "train_state), e.g. to restart the schedule from a checkpoint's weights.",
+        "Parts of the initial_load_path checkpoint not restored when it is loaded whole "
+        "(initial_load_model_only = false): model, optimizer, lr_scheduler, train_state, e.g. "
+        "to restart the schedule from another run's weights. The run's own checkpoints are "
+        "always resumed whole.",
         check=(lambda v: set(v) <= {"model", "optimizer", "lr_scheduler", "train_state"},
                "entries must be model, optimizer, lr_scheduler or train_state"),
     )
@@ -346,6 +380,14 @@ class Data:
         "with the array path and counted in the batch's 'resampled'); 0 = fail at once.",
         min=0,
     )
+    em_range: list[float] = opt(
+        [],
+        "EM intensity range [min, max] mapped to the uint8 scale (min -> 0, max -> 255) for "
+        "non-uint8 EM; empty = the range stored with the array (OME-NGFF 'omero' window), else "
+        "the dtype's range for integer EM (float EM then needs this). Values outside are "
+        "clipped, with one warning per dataset.",
+        check=(_empty_or_increasing_pair, "must be empty or two numbers [min, max] with min < max"),
+    )
 
 
 @dataclass
@@ -413,11 +455,14 @@ class Model:
     norm_pix_loss: bool = opt(False, "MAE: normalize each target patch (per-patch mean/std).")
     head: str = opt(
         "linear",
-        "Segmentation head: 'linear' (1x1 conv on patch features, logits resized) or 'upconv' "
-        "(x2 upsampling stages with a skip from the input, for thin structures).",
-        choices=("linear", "upconv"),
+        "Segmentation head: 'linear' (1x1 conv on patch features, logits resized), 'upconv' "
+        "(x2 upsampling stages with a skip from the input, for thin structures) or "
+        "'multiscale' (upconv with the input also encoded at 1/2 and 1/4 resolution and fused "
+        "at those scales, UNETR-style).",
+        choices=("linear", "upconv", "multiscale"),
     )
-    head_channels: int = opt(64, "Segmentation 'upconv' head: channels of its first stage.", min=1)
+    head_channels: int = opt(
+        64, "Segmentation 'upconv' and 'multiscale' heads: channels of the first stage.", min=1)
     loss: str = opt(
         "bce",
         "Segmentation loss: per-class 'bce', soft 'dice', 'bce_dice' (multi-label, per-class "
@@ -703,8 +748,18 @@ def _from_cli(option: _Option, text: str) -> Any:
         raise _bad_value(option, text, COMMAND_LINE, expected) from None
 
 
+def _non_finite(option: _Option, value: Any) -> bool:
+    """Whether a float option's value (or an entry of a float list) is nan or +-inf."""
+    if option.type not in (float, list[float]):
+        return False
+    values = value if isinstance(value, list) else [value]
+    return not all(math.isfinite(v) for v in values)
+
+
 def _rule_violation(option: _Option, value: Any) -> str | None:
     """Which rule declared with :func:`opt` a well-typed value breaks, or None."""
+    if _non_finite(option, value):  # TOML has nan/inf literals; float() parses 'nan', 'inf'
+        return "must be a finite number; nan and inf are not allowed"
     if option.choices is not None and value not in option.choices:
         violation = "allowed: " + ", ".join(repr(c) for c in option.choices)
         if isinstance(value, str):
@@ -887,6 +942,9 @@ class ConfigManager:
             setattr(getattr(config, option.section), option.name, value)
 
         validate(config)
+        if os.environ.get("RANK", "0") == "0":
+            for text in config_warnings(config):
+                logging.getLogger("torchtitan").warning(text)
         self.config = config
         return config
 
@@ -961,7 +1019,56 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
             f"has {len(config.data.classes)} ({', '.join(config.data.classes)}); give one weight "
             "per class, or none"
         )
+    problems += _ineffective_option_problems(config)
     return problems
+
+
+def _ineffective_option_problems(config: JobConfig) -> list[str]:
+    """Combinations in which an option set by the user could not take effect."""
+    problems = []
+    ckpt = config.checkpoint
+    if config.lr_scheduler.decay_type == "constant" and config.lr_scheduler.min_lr_factor > 0:
+        problems.append(
+            f"'lr_scheduler.min_lr_factor' = {config.lr_scheduler.min_lr_factor} has no effect "
+            "with 'lr_scheduler.decay_type' = 'constant' (the LR never decays); use 'cosine' or "
+            "'linear', or leave min_lr_factor at 0"
+        )
+    if ckpt.initial_load_prefix_map and ckpt.initial_load_path and not ckpt.initial_load_model_only:
+        problems.append(
+            f"'checkpoint.initial_load_prefix_map' = {ckpt.initial_load_prefix_map} has no effect "
+            "with 'checkpoint.initial_load_model_only' = false (a full checkpoint is restored "
+            "under its own keys); set initial_load_model_only = true to rename the model's keys"
+        )
+    if ckpt.export_dtype != "float32" and not ckpt.last_save_model_only:
+        problems.append(
+            f"'checkpoint.export_dtype' = {ckpt.export_dtype!r} has no effect unless "
+            "'checkpoint.last_save_model_only' = true (it sets the dtype of that export)"
+        )
+    if config.data.em_range and config.data.dataset_name:
+        problems.append(
+            f"'data.em_range' = {config.data.em_range} has no effect with 'data.dataset_name' = "
+            f"{config.data.dataset_name!r} (a slices dataset holds uint8 images); leave it empty"
+        )
+    return problems
+
+
+def config_warnings(config: JobConfig) -> list[str]:
+    """Legal but probably unintended combinations, logged once at startup.
+
+    ``training.warmup_steps > training.steps`` stays legal: a run is extended by resuming it
+    with a larger ``training.steps`` (the warmup is unchanged while it lasts), and debug runs
+    shorten a config with ``--training.steps``.
+    """
+    out = []
+    training = config.training
+    if training.warmup_steps > training.steps:
+        out.append(
+            f"'training.warmup_steps' = {training.warmup_steps} is more than 'training.steps' = "
+            f"{training.steps}: the learning rate never reaches its peak 'optimizer.lr' = "
+            f"{config.optimizer.lr:g} in this run (fine when the run is extended later by "
+            "resuming with a larger training.steps)"
+        )
+    return out
 
 
 def validate(config: JobConfig) -> None:
@@ -1019,6 +1126,82 @@ def save_config(config: JobConfig, path: str | os.PathLike) -> None:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
         raise
+
+
+# ---------------------------------------------------------------------------------------
+# Launch history and resume compatibility
+# ---------------------------------------------------------------------------------------
+
+# Keys that decide the model's parameters (their names and shapes) or what its output channels
+# mean: a run's checkpoints only fit a model built with the same values. Per task; others
+# (lr, steps, crop_size, loss, augmentation, ...) may change between launches of one run.
+MODEL_SHAPING_KEYS: dict[str, tuple[str, ...]] = {
+    "segmentation": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
+                     "data.classes", "model.head", "model.head_channels",
+                     "model.backbone_out_layers"),
+    "mae": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
+            "model.decoder_dim", "model.decoder_depth", "model.decoder_num_heads"),
+}
+
+FIRST_LAUNCH_CONFIG = "config.toml"  # the first launch's resolved config, never overwritten
+
+
+def launch_configs(dump_folder: str | os.PathLike) -> list[str]:
+    """The resolved configs of a run's launches, oldest first: ``config.toml`` (launch 1),
+    then ``config.launch-2.toml``, ``config.launch-3.toml``, ... beside it."""
+    first = os.path.join(dump_folder, FIRST_LAUNCH_CONFIG)
+    if not os.path.isfile(first):
+        return []
+    later = []
+    for name in os.listdir(dump_folder):
+        number = name[len("config.launch-"):-len(".toml")]
+        if name.startswith("config.launch-") and name.endswith(".toml") and number.isdigit():
+            later.append((int(number), os.path.join(dump_folder, name)))
+    return [first] + [path for _, path in sorted(later)]
+
+
+def save_launch_config(config: JobConfig, dump_folder: str | os.PathLike) -> str:
+    """Keep this launch's resolved config beside the earlier ones (see :func:`launch_configs`)
+    and return its path; an earlier launch's file is never overwritten."""
+    previous = launch_configs(dump_folder)
+    name = FIRST_LAUNCH_CONFIG if not previous else f"config.launch-{len(previous) + 1}.toml"
+    path = os.path.join(dump_folder, name)
+    save_config(config, path)
+    return path
+
+
+def _dotted(values: dict[str, dict[str, Any]], key: str) -> Any:
+    section, name = key.split(".", 1)
+    return values.get(section, {}).get(name, _MISSING)
+
+
+_MISSING = object()
+
+
+def check_resume_compatible(config: JobConfig, dump_folder: str | os.PathLike,
+                            task: str) -> None:
+    """Raise one :class:`ConfigError` naming every model-shaping key (see
+    :data:`MODEL_SHAPING_KEYS`) whose value differs from the latest launch of the run in
+    ``dump_folder``, whose checkpoints this launch is about to resume. No-op without a
+    previous launch config."""
+    history = launch_configs(dump_folder)
+    if not history:
+        return
+    previous = history[-1]
+    old = _read_toml(previous)
+    new = config_to_dict(config)
+    changed = []
+    for key in MODEL_SHAPING_KEYS.get(task, ()):
+        before, after = _dotted(old, key), _dotted(new, key)
+        if before is not _MISSING and before != after:  # a key older configs lack: not compared
+            changed.append(f"{key}: {_format_value(before)} -> {_format_value(after)}")
+    if changed:
+        raise ConfigError(
+            f"cannot resume the run in {dump_folder}: its checkpoints hold a different model. "
+            f"Changed since {previous}: " + "; ".join(changed) + ". Put these values back to "
+            "resume, or start a new job.dump_folder (with checkpoint.initial_load_path pointing "
+            "at this run's checkpoint folder to warm-start from its weights)"
+        )
 
 
 # ---------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
+from torchtitan.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -500,7 +502,7 @@ def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
 # the command runs; the metrics above never need it.
 
 
-class SubmissionError(ValueError):
+class SubmissionError(UserError, ValueError):
     """A problem with the prediction store or the command's arguments; says what to fix."""
 
 
@@ -716,12 +718,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the scores as JSON here")
     args = parser.parse_args(argv)
 
-    from torchtitan.datasets.cellmap import DatasetError  # lazy: see the note above
-
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text else None  # noqa: E731
     try:
         result = score_submission(args.predictions, args.groundtruth, split(args.crops), split(args.classes))
-    except (SubmissionError, DatasetError) as e:
+    except UserError as e:  # SubmissionError, DatasetError, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))

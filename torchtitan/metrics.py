@@ -30,7 +30,10 @@ def device_peak_flops(device: torch.device) -> float | None:
 class MetricLogger:
     """Writes one JSON object per logged step and the same scalars to TensorBoard."""
 
-    def __init__(self, dump_folder: str, tb_folder: str, enable_tensorboard: bool, rank: int):
+    def __init__(self, dump_folder: str, tb_folder: str, enable_tensorboard: bool, rank: int,
+                 keep_until: int | None = None):
+        """``keep_until``: the step the run resumes from; records of later steps (logged before
+        a crash, and logged again when those steps are replayed) are dropped first."""
         self.enabled = rank == 0
         self.folder = Path(dump_folder) / tb_folder
         self.writer = None
@@ -38,6 +41,8 @@ class MetricLogger:
         if not self.enabled:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        if keep_until is not None:
+            truncate_jsonl(self.folder / "metrics.jsonl", keep_until)
         self.jsonl = open(self.folder / "metrics.jsonl", "a", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -59,6 +64,32 @@ class MetricLogger:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def truncate_jsonl(path: Path, keep_until: int) -> None:
+    """Drop the records of steps after ``keep_until`` from a metrics.jsonl, atomically (a new
+    file renamed over the old one), and only when there is something to drop. A torn last
+    line (a kill mid-write) is dropped too."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if record.get("step", 0) > keep_until:
+            dropped += 1
+        else:
+            kept.append(line)
+    if not dropped:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    logger.info("%s: dropped %d records after step %d (they are logged again)", path, dropped,
+                keep_until)
 
 
 class Throughput:

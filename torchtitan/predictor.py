@@ -16,6 +16,13 @@ CellMap submission layout) or the dataset name for a whole volume / ROI. Each cl
 ``multiscales`` (scale = the model's voxel size, translation = centre of voxel 0, nm) and the
 plain ``voxel_size`` and ``translation`` attributes of the submission format.
 
+Completion: when a region is finished (every class written, instances labelled) its group
+``PRED.zarr/<region>`` gets the attribute ``prediction_complete = true``. A later run refuses
+to overwrite a finished region without ``--overwrite`` (a ConfigError before any work). When
+some regions of the output are finished and others are not (an interrupted run), the run
+resumes: finished regions are kept and skipped, an unfinished region is predicted again from
+its start (blocks carry no record of their own, so a partial region is restarted cleanly).
+
 Crop manifest (``--manifest FILE``): the boxes to predict where no labels exist (e.g. the
 challenge's test crops). A CSV file with a header line and these columns (any order; other
 columns are ignored)::
@@ -34,6 +41,7 @@ covering the box, centred on it. Rows repeating a crop with the same box are mer
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -50,7 +58,9 @@ from torchtitan.datasets.cellmap import (
     EMSource,
     closest_level,
     discover,
+    em_to_uint8_scale,
     read_linear,
+    set_em_ranges,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
 from torchtitan.evaluation import INSTANCE_CLASSES, label_instances
@@ -232,6 +242,35 @@ def manifest_regions(sources: list[EMSource], voxel_size, path: str) -> list[Reg
     return out
 
 
+COMPLETE_ATTR = "prediction_complete"
+
+
+def region_finished(out: str, name: str) -> bool:
+    """Whether ``out/<name>`` holds a finished prediction (its completion marker is set)."""
+    attrs = Path(out) / name / ".zattrs"
+    try:
+        return bool(json.loads(attrs.read_text()).get(COMPLETE_ATTR))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def plan_regions(todo: list[Region], out: str, overwrite: bool) -> list[Region]:
+    """The regions to predict now: all with ``overwrite``; else an error when every one is
+    already finished, and otherwise only the unfinished ones (resuming an interrupted run)."""
+    if overwrite:
+        return todo
+    finished = [r.name for r in todo if region_finished(out, r.name)]
+    if finished and len(finished) == len(todo):
+        raise ConfigError(
+            f"--out {out} already holds the finished prediction of {', '.join(finished)}; pass "
+            "--overwrite to predict it again, or choose another --out"
+        )
+    if finished:
+        logger.info("resuming %s: keeping the finished region(s) %s; predicting %s", out,
+                    ", ".join(finished), ", ".join(r.name for r in todo if r.name not in finished))
+    return [r for r in todo if r.name not in finished]
+
+
 def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
     """Create ``<region>/<class>`` with OME-NGFF metadata and an empty ``s0``."""
     group = root.require_group(f"{region.name}/{cls}")
@@ -281,6 +320,7 @@ def predict_regions(args) -> list[str]:
     inf = cfg.inference
     tta, planes, threshold = inference_options(cfg, args)
     sources = discover(cfg.data.dataset_path)
+    set_em_ranges(sources, cfg.data.em_range)
     if args.manifest:
         if args.crops or args.dataset or args.roi:
             raise ConfigError("--manifest predicts the crops it lists; leave out --crops, "
@@ -288,6 +328,12 @@ def predict_regions(args) -> list[str]:
         todo = manifest_regions(sources, cfg.data.voxel_size, args.manifest)
     else:
         todo = regions(sources, cfg.data.voxel_size, args.dataset, args.roi, args.crops)
+    todo = plan_regions(todo, args.out, getattr(args, "overwrite", False))
+    if rank == 0:
+        for region in todo:
+            if (Path(args.out) / region.name).exists():
+                logger.info("%s/%s is unfinished (no completion marker): predicting it again "
+                            "from its start", args.out, region.name)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
@@ -332,7 +378,7 @@ def predict_regions(args) -> list[str]:
         def read_input(lo, hi, region=region, level=level):
             origin = region.origin + np.asarray(lo) * v
             img, inside = read_linear(level, origin, v, tuple(h - l for l, h in zip(lo, hi)))
-            img = normalize_em(img)
+            img = normalize_em(em_to_uint8_scale(img, region.source, level.path, inside))
             img[~inside] = 0.0  # outside the EM volume: zero, as sliding_window pads
             return torch.from_numpy(img)[None]
 
@@ -371,6 +417,8 @@ def predict_regions(args) -> list[str]:
             dist.barrier()
         if args.instances and rank == 0 and not args.probabilities:
             _label_instances(root, region, classes, v, block)
+        if rank == 0:  # after every rank's blocks (barrier above) and the instances
+            root.require_group(region.name).attrs[COMPLETE_ATTR] = True
         written.append(f"{args.out}/{region.name}")
     if world > 1:
         dist.barrier()

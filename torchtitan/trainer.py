@@ -13,7 +13,9 @@ starts, identically on every rank, so a bad input makes every rank exit with the
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import math
 import os
 import sys
 import time
@@ -22,11 +24,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torchtitan.checkpoint import CheckpointError, CheckpointManager, load_full_state_dict
-from torchtitan.config_manager import ConfigError, ConfigManager, JobConfig, save_config
-from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    complete_steps,
+    load_full_state_dict,
+)
+from torchtitan.config_manager import (
+    ConfigError,
+    ConfigManager,
+    JobConfig,
+    check_resume_compatible,
+    save_launch_config,
+)
 from torchtitan.datasets.loader import batch_to_device, build_loader
+from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
@@ -38,20 +52,34 @@ from torchtitan.parallelisms.parallelize import (
     wrap_ddp,
 )
 from torchtitan.parallelisms.utils import clip_grad_norm_
+from torchtitan.preemption import (
+    NONFINITE_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    NonFiniteError,
+    StopRequest,
+    fault_steps,
+    requeue_marker,
+    restarted_after_requeue,
+)
 
 logger = logging.getLogger("torchtitan")
 
 # Errors that mean "the user must change something": shown as one message, no traceback.
-USER_ERRORS = (ConfigError, DatasetError, ParallelismError, CheckpointError)
+USER_ERRORS = (UserError,)
 
 
 class TrainState:
-    """Step counter and data position, checkpointed with the model."""
+    """Step counter, data position, best validation and skipped steps, checkpointed with the
+    model. The best score is stored signed so that higher is better (see Trainer._is_best);
+    without it a resumed run would take its first validation as the best one."""
 
     def __init__(self, global_batch: int, dp_degree: int):
         self.step = 0
         self.global_batch = global_batch
         self.dp_degree = dp_degree
+        self.best_score: float | None = None
+        self.best_step: int | None = None
+        self.skipped_steps = 0
 
     def state_dict(self) -> dict:
         return {
@@ -59,10 +87,19 @@ class TrainState:
             "global_batch": torch.tensor(self.global_batch),
             "dp_degree": torch.tensor(self.dp_degree),
             "rng_cpu": torch.get_rng_state(),
+            # NaN / -1: no validation has scored yet.
+            "best_score": torch.tensor(math.nan if self.best_score is None else self.best_score,
+                                       dtype=torch.float64),
+            "best_step": torch.tensor(-1 if self.best_step is None else self.best_step),
+            "skipped_steps": torch.tensor(self.skipped_steps),
         }
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
+        best = float(sd["best_score"])
+        self.best_score = None if math.isnan(best) else best
+        self.best_step = None if int(sd["best_step"]) < 0 else int(sd["best_step"])
+        self.skipped_steps = int(sd["skipped_steps"])
         if int(sd["global_batch"]) != self.global_batch:
             raise CheckpointError(
                 f"the checkpoint was trained with training.batch_size={int(sd['global_batch'])} "
@@ -97,7 +134,6 @@ class Trainer:
     def __init__(self, cfg: JobConfig, task):
         self.cfg = cfg
         self.task = task
-        self.best_score: float | None = None
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.dims = ParallelDims(cfg.training.data_parallel_replicate_degree,
@@ -165,11 +201,18 @@ class Trainer:
         self.autocast = autocast_context(self.dims, self.cfg, self.device.type)
 
     def setup(self) -> None:
-        self._init_distributed()
         cfg = self.cfg
+        dump = Path(cfg.job.dump_folder)
+        # Resuming checkpoints of another model fails inside DCP with a raw traceback: compare
+        # the model-shaping keys with the previous launch first, on every rank alike, before
+        # any process group exists (so every rank stops with the same message).
+        if cfg.checkpoint.enable_checkpoint and complete_steps(dump / cfg.checkpoint.folder):
+            check_resume_compatible(cfg, dump, self.task.name)
+        self._init_distributed()
         if self.rank == 0:
-            Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
-            save_config(cfg, Path(cfg.job.dump_folder) / "config.toml")
+            dump.mkdir(parents=True, exist_ok=True)
+            # config.toml (first launch) is kept; later launches add config.launch-N.toml.
+            logger.info("resolved config saved to %s", save_launch_config(cfg, dump))
         torch.manual_seed(cfg.training.seed)
         self._init_model()
         self.optimizer = build_optimizer(self.model, cfg)
@@ -180,8 +223,19 @@ class Trainer:
         if cfg.checkpoint.create_seed_checkpoint:
             return  # the caller saves the freshly initialised model and exits
         self.state.step = self.checkpoint.resume()
+        self._restore_best()
+        if self.rank == 0 and _env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0:
+            requeue_marker(cfg.job.dump_folder).unlink(missing_ok=True)  # a fresh launch
+        # Records of steps after the checkpoint (a crash or kill between checkpoints) are
+        # logged again when those steps are replayed: drop them so every step appears once.
         self.metrics = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder,
-                                    cfg.metrics.enable_tensorboard, self.rank)
+                                    cfg.metrics.enable_tensorboard, self.rank,
+                                    keep_until=self.state.step)
+        self.stop = StopRequest(cfg.training.preemption_signals, cfg.training.time_limit)
+        self.nan_grad_steps = fault_steps("nan_grad")
+        # Python's cyclic GC runs at our cadence (gc.collect(1) every gc_freq steps, as
+        # torchtitan does) instead of pausing ranks at different moments.
+        gc.disable()
         self.loader = build_loader(
             self.task.train_dataset(), cfg.training.batch_size, self.dp_rank, self.dims.dp_degree,
             start_step=self.state.step, num_workers=cfg.data.num_workers,
@@ -197,8 +251,18 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return batch_to_device(batch, self.device)
 
-    def train_step(self, batch: dict) -> tuple[float, float]:
-        """One optimizer step; returns (global mean loss, gradient norm)."""
+    def train_step(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+        """One optimizer step; returns (global mean loss, gradient norm) as device tensors
+        (read only at log steps), whether the update was skipped as non-finite, and whether
+        the run must stop after this step.
+
+        One host sync per step: the decision "skip / stop", taken from one all-reduce (MAX,
+        over all ranks) of [non-finite local loss or global norm, stop requested here]. The
+        loss and norm are read on the host only at log steps.
+        A non-finite step changes nothing: no optimizer step, no LR-schedule step (as
+        Megatron does for skipped iterations: the schedule counts applied updates), the
+        gradients are dropped; the data position advances, so the bad batch is not retried.
+        """
         with self.autocast:
             loss_sum, count = self.task.loss_terms(self.model, batch)
         # Normalise by the GLOBAL count so that gradient averaging over data-parallel ranks
@@ -206,14 +270,68 @@ class Trainer:
         global_count = _all_reduce(count.detach().double().clone(), self.dp_mesh).clamp_min(1)
         loss = loss_sum * (self.dims.dp_degree / global_count.to(loss_sum.dtype))
         loss.backward()
+        if step in self.nan_grad_steps:
+            self._inject_nan_grad()
         max_norm = self.cfg.training.max_norm
+        # Clipping by a NaN norm makes every gradient NaN; harmless, as such a step is skipped.
         grad_norm = clip_grad_norm_(self.model.parameters(),
-                                    max_norm if max_norm > 0 else float("inf"))
-        self.optimizer.step()
-        self.lr_scheduler.step()
+                                    max_norm if max_norm > 0 else float("inf")).to(self.device)
+        flags = torch.stack([
+            (~torch.isfinite(loss_sum.detach().float())) | (~torch.isfinite(grad_norm.float())),
+            torch.tensor(self.stop.reason() is not None, device=self.device),
+        ]).float()
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, stop = (bool(v) for v in flags.tolist())
+        if not nonfinite:
+            self.optimizer.step()
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         global_sum = _all_reduce(loss_sum.detach().double().clone(), self.dp_mesh)
-        return float(global_sum / global_count), float(grad_norm)
+        return global_sum / global_count, grad_norm, nonfinite, stop
+
+    def _inject_nan_grad(self) -> None:
+        """Test-only (TORCHTITAN_FAULT_INJECT=nan_grad@K): a NaN in one local gradient of the
+        last rank, so that the other ranks learn of it only through the all-reduce."""
+        if self.rank != self.world_size - 1:
+            return
+        for p in self.model.parameters():
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if g is not None and g.numel() > 0:
+                g.view(-1)[0] = float("nan")
+                return
+
+    def _weights_finite(self) -> bool:
+        bad = torch.zeros((), device=self.device)
+        for p in self.model.parameters():
+            local = p.detach().to_local() if isinstance(p, DTensor) else p.detach()
+            bad += (~torch.isfinite(local)).sum()
+        if self.world_size > 1:
+            dist.all_reduce(bad)
+        return int(bad) == 0
+
+    def _save(self, step: int, model_only: bool = False) -> None:
+        """Save step ``step``; a model with non-finite weights is never written."""
+        if not self._weights_finite():
+            raise NonFiniteError(
+                f"step {step}: the model weights are not finite; not saving them (the last "
+                f"checkpoint in {self.checkpoint.folder} is the last finite one)")
+        self.checkpoint.save(step, model_only=model_only)
+
+    def _set_train_timeout(self) -> None:
+        """After the first step (compiles, first all-gathers: comm.init_timeout_seconds), use
+        comm.train_timeout_seconds for every collective, as torchtitan does."""
+        if self.world_size == 1:
+            return
+        timeout = timedelta(seconds=self.cfg.comm.train_timeout_seconds)
+        dist.barrier()
+        groups = [None]
+        if self.mesh is not None:
+            groups += [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
+        for group in groups:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        logger.info("collective timeout set to %d s (comm.train_timeout_seconds)",
+                    self.cfg.comm.train_timeout_seconds)
 
     def validate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -246,21 +364,34 @@ class Trainer:
         self.model.train()
         scores: dict[str, float] = {}
         resampled_local = 0
+        skipped_in_a_row = 0
+        self.requeue_reason = None
         for step in range(start + 1, total + 1):
             batch = next(data_iter)
             resampled = batch.pop("resampled", None)
             if resampled is not None:
                 resampled_local += int(resampled.sum())
             batch = self._to_device(batch)
-            loss, grad_norm = self.train_step(batch)
+            loss_t, norm_t, nonfinite, stop = self.train_step(batch, step)
             meter.tick()
             self.state.step = step
+            if step == start + 1:
+                self._set_train_timeout()
+            if step % cfg.training.gc_freq == 0:
+                gc.collect(1)
+            if nonfinite:
+                skipped_in_a_row = self._skip(step, skipped_in_a_row + 1)
+            else:
+                skipped_in_a_row = 0
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if step % cfg.metrics.log_freq == 0 or step == total or step == start + 1:
+                loss, grad_norm = float(loss_t), float(norm_t)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 values = {"loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
-                          "grad_norm": grad_norm, **meter.report()}
+                          "grad_norm": grad_norm, **meter.report(),
+                          "train/skipped_steps": float(self.state.skipped_steps)}
                 # Samples replaced after a read error (corrupt chunk), all ranks, this launch.
                 values["data/resampled"] = float(_all_reduce(
                     torch.tensor(float(resampled_local), dtype=torch.float64, device=self.device),
@@ -270,14 +401,20 @@ class Trainer:
                     logger.info("step %d loss %.4f lr %.2e grad_norm %.3f %.0f voxels/s", step,
                                 loss, values["lr"], grad_norm, values["voxels_per_second"])
             last = step == total
-            improved = False
+            # Save before validating: a validation that fails must not cost the checkpoint.
+            saved = False
+            if self.checkpoint.should_save(step, last) or (stop and self.checkpoint.enabled):
+                model_only = last and cfg.checkpoint.last_save_model_only and not stop
+                self._save(step, model_only=model_only)
+                saved = True
+            if stop:  # preemption signal or time limit: saved; the next launch goes on
+                self._request_requeue(step, saved)
+                break
             if last or (cfg.metrics.eval_freq > 0 and step % cfg.metrics.eval_freq == 0):
                 scores = self.validate(step)
-                improved = self._is_best(scores)
-            if self.checkpoint.should_save(step, last) or (improved and self.checkpoint.enabled):
-                model_only = last and cfg.checkpoint.last_save_model_only
-                self.checkpoint.save(step, model_only=model_only)
-                if improved:
+                if self._is_best(scores, step) and self.checkpoint.enabled:
+                    if not saved:
+                        self._save(step)
                     metric = self.task.best_metric
                     self.checkpoint.mark_best(step, scores[metric], metric)
         if bar is not None:
@@ -286,16 +423,66 @@ class Trainer:
             scores = self.validate(start)
         return scores
 
-    def _is_best(self, scores: dict[str, float]) -> bool:
-        """Whether this validation beats every earlier one on the task's best metric."""
+    def _is_best(self, scores: dict[str, float], step: int) -> bool:
+        """Whether this validation beats every earlier one (of this run, resumes included) on
+        the task's best metric; if so it becomes the best, in the train state."""
         metric = getattr(self.task, "best_metric", None)
-        if metric is None or metric not in scores:
+        if metric is None or metric not in scores or not math.isfinite(scores[metric]):
             return False
         value = scores[metric] if self.task.best_higher else -scores[metric]
-        if self.best_score is None or value > self.best_score:
-            self.best_score = value
+        if self.state.best_score is None or value > self.state.best_score:
+            self.state.best_score, self.state.best_step = value, step
             return True
         return False
+
+    def _restore_best(self) -> None:
+        """After resume: the best validation so far, and the checkpoint manager's ``best_step``
+        (which ``keep_latest_k`` purging spares) follows it.
+
+        A step is saved before it is validated, so the checkpoint of a step that then became
+        the best does not know it; ``best.json`` (written right after that validation) does,
+        and is taken when it names a step up to the resumed one with a better score.
+        """
+        metric = getattr(self.task, "best_metric", None)
+        marker = self.checkpoint.folder / "best.json"
+        if metric is not None and marker.is_file():
+            record = json.loads(marker.read_text())
+            score, step = record.get(metric), int(record.get("step", -1))
+            if score is not None and 0 < step <= self.state.step:
+                value = score if self.task.best_higher else -score
+                if self.state.best_score is None or value > self.state.best_score:
+                    self.state.best_score, self.state.best_step = value, step
+        self.checkpoint.best_step = self.state.best_step
+
+    def _skip(self, step: int, in_a_row: int) -> int:
+        """Count a skipped non-finite step; stop after training.max_skipped_steps in a row."""
+        self.state.skipped_steps += 1
+        limit = self.cfg.training.max_skipped_steps
+        logger.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row, "
+                       "%d in all)", step, in_a_row, self.state.skipped_steps)
+        if in_a_row >= limit:
+            latest = complete_steps(self.checkpoint.folder)
+            raise NonFiniteError(
+                f"step {step}: {in_a_row} non-finite steps in a row (training.max_skipped_steps="
+                f"{limit}); stopped without saving. The last checkpoint "
+                f"({self.checkpoint.folder}/step-{latest[-1]}) is finite; lower optimizer.lr, "
+                "check the data, or raise training.max_skipped_steps" if latest else
+                f"step {step}: {in_a_row} non-finite steps in a row (training.max_skipped_steps="
+                f"{limit}); stopped without saving (no checkpoint yet); lower optimizer.lr or "
+                "check the data")
+        return in_a_row
+
+    def _request_requeue(self, step: int, saved: bool) -> None:
+        """Every rank agreed to stop after ``step`` (saved): mark the run for a requeue."""
+        reason = self.stop.reason() or "a preemption signal on another rank"
+        self.requeue_reason = reason
+        if self.rank == 0:
+            marker = requeue_marker(self.cfg.job.dump_folder)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"step": step, "reason": reason}) + "\n")
+        logger.warning("stopping after step %d (%s); %s; exit code %d asks for a requeue",
+                       step, reason, "checkpoint saved" if saved else
+                       "checkpoint.enable_checkpoint is off, nothing saved", REQUEUE_EXIT_CODE)
 
     def save_seed_checkpoint(self) -> None:
         """``checkpoint.create_seed_checkpoint``: the initialised model as ``step-0``."""
@@ -330,6 +517,8 @@ def run(task_cls, argv: list[str] | None = None) -> int:
     setup_logging(rank)
     try:
         cfg = ConfigManager().parse_args(argv)
+        if restarted_after_requeue(cfg.job.dump_folder):
+            return REQUEUE_EXIT_CODE
         if cfg.job.print_config and rank == 0:
             from torchtitan.config_manager import config_to_toml
 
@@ -339,17 +528,25 @@ def run(task_cls, argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, task)
     except USER_ERRORS as e:
         report_user_error(e, rank)
-        return 2
+        return USER_ERROR_EXIT
     try:
         trainer.setup()
         if cfg.checkpoint.create_seed_checkpoint:
             trainer.save_seed_checkpoint()
         else:
             scores = trainer.train()
-            if rank == 0:
+            if rank == 0 and trainer.requeue_reason is None:
                 task.summary(scores)
         trainer.close()
     except USER_ERRORS as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT
+    except NonFiniteError as e:
+        # Every rank raises it at the same step (the decision is all-reduced): one message.
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        trainer.close()
+        return NONFINITE_EXIT_CODE
+    if getattr(trainer, "requeue_reason", None) is not None:
+        return REQUEUE_EXIT_CODE
     return 0

@@ -15,6 +15,14 @@ A "training grid" is described by an origin (world position of the corner of the
 voxel, nm) plus a voxel size and a shape; voxel ``i`` has its centre at
 ``origin + (i + 0.5) * voxel_size``.
 
+EM intensities: uint8 EM is used as stored. Other EM (uint16, float, ...) is mapped linearly
+onto the uint8 scale (then normalised like uint8) from an intensity range: ``data.em_range``
+if set, else the range stored with the EM group (OME-NGFF ``omero.channels[0].window``:
+``start``/``end``, else ``min``/``max``), else for integer EM its dtype's range (logged once).
+Float EM without either is a DatasetError. Values outside the range are clipped, with one
+warning per dataset; NaN in EM is a DatasetError naming the array (checked on a small box of
+each volume at startup and on every sample read).
+
 ``data.dataset_path`` is either a folder in the layout above or a split list (CSV or TOML)
 naming EM volumes and crops one by one, each crop marked train or val (see "Split lists").
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import tomllib
@@ -33,14 +42,17 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.datasets import zarr_chunks
+from torchtitan.errors import UserError
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
+EM_GROUP_UINT16 = "recon-1/em/fibsem-uint16"  # used when a store has no uint8 EM
+logger = logging.getLogger(__name__)
 GT_GROUP = "recon-1/labels/groundtruth"
 AXES = ("z", "y", "x")
 UNKNOWN = 255  # CellMap's "unknown" label value
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A problem with the data on disk or its description; the message says what to fix."""
 
 
@@ -117,6 +129,8 @@ class EMSource:
     store: str  # path of <ds>.zarr
     levels: list[ScaleLevel]
     crops: list[LabelCrop]
+    # Intensity range mapped onto 0..255 (see the module doc); None: uint8 EM used as stored.
+    em_range: tuple[float, float] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +249,8 @@ def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
         if not store.is_dir():
             continue
         em_group = store / EM_GROUP
+        if not em_group.is_dir() and (store / EM_GROUP_UINT16).is_dir():
+            em_group = store / EM_GROUP_UINT16
         if not em_group.is_dir():
             raise DatasetError(
                 f"{store}: no EM group '{EM_GROUP}'; expected the CellMap layout "
@@ -676,3 +692,101 @@ def grid_origin_snapped(level: ScaleLevel, voxel_size, approx_origin) -> np.ndar
             k = np.round((origin[ax] - corner0) / voxel_size[ax])
             origin[ax] = corner0 + k * voxel_size[ax]
     return origin
+
+
+# ---------------------------------------------------------------------------------------------
+# EM intensities: uint8 as stored, anything else mapped onto the uint8 scale from a range
+# ---------------------------------------------------------------------------------------------
+
+_WARNED_OUT_OF_RANGE: set[str] = set()  # datasets already warned about clipped EM values
+NAN_CHECK_BOX = 32  # voxels per axis of the box each EM volume is checked for NaN at startup
+
+
+def stored_em_range(group_path: str | os.PathLike) -> tuple[float, float] | None:
+    """The intensity window an EM group stores (OME-NGFF ``omero``, 0.4 or under ``ome``)."""
+    attrs = _read_attrs(Path(group_path))
+    omero = attrs.get("omero") or attrs.get("ome", {}).get("omero")
+    try:
+        window = omero["channels"][0]["window"]
+    except (TypeError, KeyError, IndexError):
+        return None
+    for lo_key, hi_key in (("start", "end"), ("min", "max")):
+        lo, hi = window.get(lo_key), window.get(hi_key)
+        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi:
+            return float(lo), float(hi)
+    return None
+
+
+def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None:
+    """The range that maps ``source``'s EM onto 0..255, or None for uint8 EM used as stored."""
+    level0 = source.levels[0]
+    dtype = np.dtype(open_array(level0.path).dtype)
+    if configured:
+        return float(configured[0]), float(configured[1])
+    if dtype == np.uint8:
+        return None
+    if dtype.kind not in "iuf":
+        raise DatasetError(f"EM array {level0.path} has dtype {dtype}; expected uint8, another "
+                           "integer type or float")
+    group = Path(level0.path).parent
+    stored = stored_em_range(group)
+    if stored is not None:
+        logger.info("%s: %s EM mapped from its stored range [%g, %g] (omero window) to 0..255",
+                    source.name, dtype, *stored)
+        return stored
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        logger.warning("%s: %s EM has no stored intensity range (OME-NGFF omero window); "
+                       "normalising from the dtype's range [%d, %d]; set data.em_range = "
+                       "[min, max] to use the data's own range", source.name, dtype,
+                       info.min, info.max)
+        return float(info.min), float(info.max)
+    raise DatasetError(
+        f"EM array {level0.path} is {dtype} and its group stores no intensity range (OME-NGFF "
+        "'omero' channels[0].window); set data.em_range = [min, max] to the values that should "
+        "map to black and white"
+    )
+
+
+def check_em_finite(img: np.ndarray, array_path: str) -> None:
+    """Raise a DatasetError when float EM read from ``array_path`` holds NaN (or inf)."""
+    if img.dtype.kind == "f" and not np.all(np.isfinite(img)):
+        bad = int(np.count_nonzero(~np.isfinite(img)))
+        raise DatasetError(
+            f"EM array {array_path} holds NaN or inf ({bad} of {img.size} voxels of one read); "
+            "replace them (e.g. by the background value) in the store before training"
+        )
+
+
+def set_em_ranges(sources: list[EMSource], configured) -> None:
+    """Resolve each source's EM range (``configured`` = data.em_range, may be empty) and check
+    a small central box of each non-uint8 volume for NaN, before any process group exists."""
+    for source in sources:
+        source.em_range = resolve_em_range(source, configured)
+        level0 = source.levels[0]
+        if np.dtype(open_array(level0.path).dtype).kind != "f":
+            continue
+        lo = [max(0, (n - NAN_CHECK_BOX) // 2) for n in level0.shape]
+        hi = [min(n, a + NAN_CHECK_BOX) for n, a in zip(level0.shape, lo)]
+        check_em_finite(_read_region(level0, lo, hi, 0), level0.path)
+
+
+def em_to_uint8_scale(img: np.ndarray, source: EMSource, array_path: str,
+                      inside: np.ndarray | None = None) -> np.ndarray:
+    """EM as read from ``array_path`` on the uint8 scale (float32 0..255, or the uint8 read
+    itself when the source has no range). Values outside the range are clipped, with one
+    warning per dataset; NaN is a DatasetError."""
+    check_em_finite(img, array_path)
+    if source.em_range is None:
+        return img
+    lo, hi = source.em_range
+    out = (img.astype(np.float32) - np.float32(lo)) * np.float32(255.0 / (hi - lo))
+    checked = out if inside is None else out[inside]
+    if checked.size and (checked.min() < -0.5 or checked.max() > 255.5):
+        if source.name not in _WARNED_OUT_OF_RANGE:
+            _WARNED_OUT_OF_RANGE.add(source.name)
+            logger.warning("%s: EM values of %s lie outside the intensity range [%g, %g] and are "
+                           "clipped (set data.em_range to widen it; warned once per dataset)",
+                           source.name, array_path, lo, hi)
+    np.clip(out, 0.0, 255.0, out=out)
+    return out

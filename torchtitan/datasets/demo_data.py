@@ -57,6 +57,8 @@ import numpy as np
 import scipy.ndimage as ndi
 import zarr
 
+from torchtitan.errors import UserError
+
 # ---------------------------------------------------------------------------------------
 # Atoms and classes
 # ---------------------------------------------------------------------------------------
@@ -1219,6 +1221,10 @@ def demo_data_complete(root: str | os.PathLike, seed: int = 0, scale: float = 1.
         return False
 
 
+class DemoDataError(UserError, ValueError):
+    """Demo data that cannot be made as asked (e.g. a scale out of range)."""
+
+
 def generate_demo_data(root: str | os.PathLike, seed: int = 0, scale: float = 1.0) -> list[str]:
     """Write the synthetic demo datasets under ``root`` and return their names.
 
@@ -1230,7 +1236,7 @@ def generate_demo_data(root: str | os.PathLike, seed: int = 0, scale: float = 1.
             sizes, e.g. 0.4 for a small set that tests make in seconds.
     """
     if not 0.1 <= scale <= 2.0:
-        raise ValueError(f"scale must be in [0.1, 2.0], got {scale}")
+        raise DemoDataError(f"scale must be in [0.1, 2.0] (--scale), got {scale}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     marker = root / COMPLETE_MARKER

@@ -23,6 +23,7 @@ from torchtitan.datasets.cellmap import (
     check_crop_inside,
     check_voxel_size,
     discover,
+    set_em_ranges,
 )
 from torchtitan.datasets.classes import check_class_names
 from torchtitan.datasets.samples import MAESamples, SegmentationSamples, grid_shape, samples_kwargs
@@ -212,6 +213,7 @@ def load_em_sources(cfg) -> list[EMSource]:
     sources = discover(cfg.data.dataset_path)
     for s in sources:
         check_voxel_size(s, cfg.data.voxel_size)
+    set_em_ranges(sources, cfg.data.em_range)
     return sources
 
 

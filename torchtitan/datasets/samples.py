@@ -58,6 +58,7 @@ from torchtitan.datasets.cellmap import (
     LabelCrop,
     ScaleLevel,
     closest_level,
+    em_to_uint8_scale,
     grid_origin_snapped,
     read_linear,
 )
@@ -204,6 +205,8 @@ class _SampleDataset(Dataset):
         device, like the intensity changes, they come after normalisation)."""
         if self.host_geometry:
             return False
+        if any(s.em_range is not None for s in sources):
+            return False  # non-uint8 EM keeps its precision: mapped and normalised here
         return all(np.allclose(self._em_level(s).scale, self.voxel_size, rtol=1e-6)
                    for s in sources)
 
@@ -219,7 +222,9 @@ class _SampleDataset(Dataset):
                 raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """EM of a box of the training grid: normalised float32, or with ``raw`` the uint8
         values (only exact when the grids coincide, see ``_ships_raw_em``)."""
-        img, inside = read_linear(self._em_level(source), origin, self.voxel_size, shape)
+        level = self._em_level(source)
+        img, inside = read_linear(level, origin, self.voxel_size, shape)
+        img = em_to_uint8_scale(img, source, level.path, inside)
         if raw:
             if img.dtype != np.uint8:
                 img = np.clip(np.rint(img), 0, 255).astype(np.uint8)

@@ -66,6 +66,7 @@ from torchtitan.datasets.augment import (
     resample_matrix,
 )
 from torchtitan.datasets.cellmap import AXES, DatasetError
+from torchtitan.errors import redact_secrets
 from torchtitan.datasets.classes import CLASS_IDS, atoms
 from torchtitan.datasets.loader import split_crops
 from torchtitan.datasets.samples import (
@@ -168,8 +169,8 @@ def _load(name: str):
     except Exception as e:  # noqa: BLE001 - any Hub failure becomes one clear message
         raise DatasetError(
             f"data.dataset_name {name!r}: no such folder here, and loading it from the "
-            f"Hugging Face Hub failed: {type(e).__name__}: {e}"
-        ) from e
+            f"Hugging Face Hub failed: {type(e).__name__}: {redact_secrets(str(e))}"
+        ) from None  # the chained exception could quote the token
 
 
 def open_slices(name: str, need: str = "labels"):

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchtitan.errors import UserError
 
-class ParallelismError(ValueError):
+
+class ParallelismError(UserError, ValueError):
     """A parallelism setting that does not fit the world size."""
 
 

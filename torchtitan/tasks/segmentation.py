@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
-from torchtitan.datasets.samples import crop_grid
+from torchtitan.datasets.samples import READ_ERRORS, crop_grid
 from torchtitan.datasets.slices import build_slice_samples, load_slice_data
 from torchtitan.datasets.targets import annotates, read_instance_ids
 from torchtitan.evaluation import INSTANCE_CLASSES, combine_scores, score_crop, validation_scores
@@ -115,8 +115,18 @@ class SegmentationTask:
                                       inf.batch_size, planes=inf.planes) for c in mine)
         idle = most_forwards(calls, trainer) - calls
         per_crop = []
+        skipped = 0
         for crop in mine:
-            vol = self._val_volume(crop)
+            try:
+                vol = self._val_volume(crop)
+            except READ_ERRORS as e:
+                # Like a training read (data/resampled): warn, count, go on. This rank still
+                # runs the crop's forwards (idle) so that sharded ranks stay in step.
+                logger.warning("validation crop %s skipped: %s", crop.full_name, e)
+                skipped += 1
+                idle += num_predict_calls(crop_grid(crop, cfg.data.voxel_size)[1], window,
+                                          inf.overlap, inf.batch_size, planes=inf.planes)
+                continue
             prob = predict_volume(predict, vol["image"], window, len(classes),
                                   overlap=inf.overlap, blend=inf.blend, batch_size=inf.batch_size,
                                   tta_flips=inf.tta_flips, planes=inf.planes,
@@ -135,9 +145,13 @@ class SegmentationTask:
             predict(dummy)
         if trainer.dp_mesh is not None:
             gathered: list = [None] * trainer.dims.dp_degree
-            dist.all_gather_object(gathered, per_crop, group=trainer.dp_mesh.get_group())
-            per_crop = [c for rank_crops in gathered for c in rank_crops]
-        return validation_scores(combine_scores(per_crop), classes)
+            dist.all_gather_object(gathered, (per_crop, skipped),
+                                   group=trainer.dp_mesh.get_group())
+            per_crop = [c for rank_crops, _ in gathered for c in rank_crops]
+            skipped = sum(n for _, n in gathered)
+        scores = validation_scores(combine_scores(per_crop), classes) if per_crop else {}
+        scores["val/skipped_crops"] = float(skipped)
+        return scores
 
     def _visualize(self, trainer, crop, vol, pred, classes) -> None:
         step = trainer.state.step

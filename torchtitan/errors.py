@@ -1,0 +1,45 @@
+"""The base class of every error a user's input can cause, and how entry points show it.
+
+A :class:`UserError` means "the user must change something" (a config value, a data store, a
+checkpoint path, a command-line argument): entry points print its message once, without a
+traceback, and exit with :data:`USER_ERROR_EXIT`, so that a launcher does not retry a run that
+cannot succeed. Programming errors stay ``ValueError`` / ``RuntimeError`` with tracebacks.
+
+``UserError`` itself is defined in :mod:`torchtitan.config_manager`, the lowest floor (which
+imports nothing of ours), and is re-exported here for everything else; ``ConfigError``,
+``DatasetError`` and ``ConversionError`` derive from it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from torchtitan.config_manager import UserError
+
+__all__ = ["USER_ERROR_EXIT", "UserError", "print_user_error", "redact_secrets"]
+
+USER_ERROR_EXIT = 2
+
+
+def print_user_error(error: BaseException) -> int:
+    """Print ``error: <message>`` to stderr and return the exit status for it."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT
+
+
+# Hugging Face access tokens look like hf_ followed by letters and digits.
+_HF_TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{8,}")
+_TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with Hugging Face tokens (the values of HF_TOKEN / HUGGING_FACE_HUB_TOKEN, and
+    anything shaped like ``hf_...``) replaced by ``<redacted>``, for messages that quote
+    exceptions of libraries that saw the token."""
+    for name in _TOKEN_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if len(value) >= 8:
+            text = text.replace(value, "<redacted>")
+    return _HF_TOKEN_RE.sub("<redacted>", text)
