@@ -1,4 +1,4 @@
-"""Tests of the segmentation heads (linear, upconv), frozen backbones and the losses
+"""Tests of the segmentation heads (linear, upconv, multiscale), frozen backbones and the losses
 (bce, dice, bce_dice, ce): shapes, meta init, validity masks, batch-split invariance."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torchtitan.models.losses import LOSSES, masked_bce_loss, soft_dice_loss
 from torchtitan.models.segmentation import UpConvHead
 from torchtitan.tasks.segmentation import SegmentationTask
 
-HEADS = ("linear", "upconv")
+HEADS = ("linear", "upconv", "multiscale")
 # (input size, output size): non-cubic, and an output size unlike the input's.
 SIZES = {2: ((32, 48), (40, 30)), 3: ((16, 32, 24), (20, 36, 12))}
 
@@ -64,6 +64,35 @@ def test_upconv_sees_single_voxels():
     # Elsewhere in the same patch (beyond the skip's 7x7 field of view) only the backbone's
     # patch-level change and the GroupNorm statistics reach.
     assert diff[3, 5] > 2 * diff[7, 7]
+
+
+@pytest.mark.parametrize("patch_size", [4, 8, 16])
+def test_multiscale_fuses_the_image_at_full_half_and_quarter_resolution(patch_size):
+    """Image levels 1/2 and 1/4 join the decoder where it passes through their scale (for
+    patch 4, the 1/4 level joins at the patch grid itself, before any upsampling)."""
+    torch.manual_seed(0)
+    head = UpConvHead(2, 64, 2, patch_size=patch_size, image_channels=1, channels=64,
+                      image_levels=3)
+    assert len(head.down) == len(head.down_fuse) == 2
+    assert [d[0].out_channels for d in head.down] == [32, 64]
+    size = 4 * patch_size
+    grid = size // patch_size
+    seen = {}
+
+    def record(name):
+        def hook(module, args, out):
+            seen[name] = tuple(out.shape[2:])
+        return hook
+
+    for k, fuse in enumerate(head.down_fuse, start=1):
+        fuse.register_forward_hook(record(k))
+    head.fuse.register_forward_hook(record(0))
+    out = head([torch.randn(1, 64, grid, grid)], torch.randn(1, 1, size, size))
+    assert out.shape == (1, 2, size, size)
+    assert seen == {k: (size // 2**k,) * 2 for k in (0, 1, 2)}
+    # Patch 2 has no 1/4 level to join: the head keeps the levels it can use.
+    small = UpConvHead(2, 64, 2, patch_size=2, image_channels=1, image_levels=3)
+    assert small.image_levels == 2 and len(small.down) == 1
 
 
 @pytest.mark.parametrize("patch_size", [6, 12])

@@ -207,6 +207,37 @@ def test_other_configs_match_single_process(demo_data, tmp_path, cfg, nproc, ext
     _same(reference, _run(cfg, demo_data, tmp_path / "run", nproc, *common, *extra), str(extra))
 
 
+# -- the multiscale head (convolutional decoder with image skips at 1, 1/2, 1/4) -------------------
+MULTISCALE = ["--model.head", "multiscale", "--model.head_channels", "32", *DEBUG]
+MULTISCALE_CASES = {
+    "fsdp2": (SEG, 2, []),
+    "ddp2": (SEG, 2, DDP2),
+    "tp2": (SEG, 2, TP2),
+    "seg3d_fsdp2_tp2": pytest.param(SEG3D, 4, TP2, marks=slow),
+    "seg3d_ddp2_ac_full": pytest.param(SEG3D, 2, [*DDP2, *AC_FULL], marks=slow),
+}
+
+
+@pytest.fixture(scope="module")
+def single_multiscale(demo_data, tmp_path_factory):
+    runs = {}
+
+    def get(cfg):
+        if cfg not in runs:
+            runs[cfg] = _run(cfg, demo_data, tmp_path_factory.mktemp("multiscale") / "single", 0,
+                             *MULTISCALE)
+        return runs[cfg]
+    return get
+
+
+@pytest.mark.parametrize("cfg,nproc,extra", list(MULTISCALE_CASES.values()),
+                         ids=list(MULTISCALE_CASES))
+def test_multiscale_head_losses_match_single_process(single_multiscale, demo_data, tmp_path,
+                                                     cfg, nproc, extra):
+    _same(single_multiscale(cfg), _run(cfg, demo_data, tmp_path / "run", nproc, *MULTISCALE,
+                                       *extra), str(extra))
+
+
 # -- bfloat16 ----------------------------------------------------------------------------------
 # bf16 parameters/activations (FSDP's mixed-precision policy, autocast on one process) round
 # differently from float32 and from each other: FSDP casts each block's weights once, autocast

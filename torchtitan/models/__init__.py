@@ -23,10 +23,10 @@ from typing import Any
 
 from .attention import attention, resolve_attention_backend
 from .flops import training_flops_per_sample
-from .losses import LOSSES, build_loss, predict_probabilities
+from .losses import LOSSES, build_loss, masked_bce_loss, predict_probabilities
 from .mae import MaskedAutoencoder
 from .rope import RopePositionEmbedding, rope_apply
-from .segmentation import SegmentationModel, masked_bce_loss
+from .segmentation import SegmentationModel
 from .vit import Block, DinoVisionTransformer, use_attention
 
 # Settings every DINOv3 backbone shares.

@@ -13,11 +13,14 @@ concatenated on channels.
   GroupNorm, GELU) then double the resolution and halve the channels (down to 16) until the
   input resolution is reached, where a few convolutions on the input image itself join as a
   skip connection before the last convolution and the 1x1 classifier.
+* ``UpConvHead`` with image levels ("multiscale"): the same decoder, with the input image also
+  encoded at 1/2 and 1/4 resolution and fused where the decoder passes through those scales
+  (UNETR / nnU-Net style skips), so fine structure reaches every decoder stage.
 
 There is no BatchNorm anywhere: every normalisation is per sample, so results do not depend
 on how a batch is split across ranks.
 
-The losses live in ``losses.py``; ``masked_bce_loss`` is re-exported here for older imports.
+The losses live in ``losses.py``.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .losses import masked_bce_loss  # noqa: F401  (re-exported)
 from .vit import DinoVisionTransformer
 
 OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
-HEADS = ("linear", "upconv")
+HEADS = ("linear", "upconv", "multiscale")
+# Image levels (full resolution, 1/2, 1/4, ...) that the convolutional heads fuse.
+_IMAGE_LEVELS = {"upconv": 1, "multiscale": 3}
 
 # FLOPs per multiply-accumulate, as in flops.py (which imports this module): 2 in the forward
 # pass, 4 in the backward pass (gradients of input and weight; 2 when the input needs none).
@@ -127,15 +131,36 @@ class UpStage(nn.Module):
         return self.conv(self.up(x))
 
 
+class DownStage(nn.Sequential):
+    """x1/2 downsampling by a stride-2 3x3 convolution (GN, GELU), then ConvNormAct."""
+
+    def __init__(self, ndim: int, in_channels: int, out_channels: int):
+        conv = {2: nn.Conv2d, 3: nn.Conv3d}[ndim]
+        super().__init__(
+            conv(in_channels, out_channels, kernel_size=3, stride=2, padding=1),
+            _group_norm(out_channels),
+            nn.GELU(),
+            ConvNormAct(ndim, out_channels, out_channels),
+        )
+
+
 class UpConvHead(nn.Module):
     """Patch features -> full-resolution logits, for thin structures.
 
-    Shapes for patch size p = 2^S and ``channels`` = C (c_s = max(C / 2^s, 16))::
+    Shapes for patch size p = 2^S, ``channels`` = C (c_s = max(C / 2^s, 16)) and
+    ``image_levels`` = K (1: "upconv"; 3: "multiscale")::
 
         features (B, F, *grid) -- dropout, 1x1 conv ---------------> (B, C,   *grid)
         S x UpStage: x2 transposed conv, 3x3 conv, GN, GELU -------> (B, c_S, *grid * p)
         image (B, in_chans, *grid * p) -- 2 x ConvNormAct ---------> (B, 16,  *grid * p)
         concat -> ConvNormAct -> 1x1 conv -------------------------> (B, num_classes, *grid * p)
+
+    With K > 1 the image is also encoded at 1/2, ..., 1/2^(K-1) of its resolution (a stride-2
+    DownStage each, 16 * 2^k channels), and each of those maps is concatenated and fused
+    (ConvNormAct) where the decoder passes through that resolution, as in UNETR's and
+    nnU-Net's skip connections: edges and thin tubes a few voxels wide, which no patch token
+    resolves, reach the decoder at every scale. The ViT features enter at the patch grid, the
+    outputs of several blocks concatenated (``out_layers``).
     """
 
     MIN_CHANNELS = 16
@@ -149,33 +174,44 @@ class UpConvHead(nn.Module):
         image_channels: int,
         channels: int = 64,
         dropout: float = 0.0,
+        image_levels: int = 1,
     ):
         super().__init__()
         if patch_size < 1 or patch_size & (patch_size - 1):
             raise ValueError(
-                f"The 'upconv' head upsamples by x2 per stage and needs a power-of-two patch size; "
-                f"got patch_size={patch_size} (use e.g. 8, 16 or 32, or the 'linear' head)"
+                f"The 'upconv' and 'multiscale' heads upsample by x2 per stage and need a "
+                f"power-of-two patch size; got patch_size={patch_size} (use e.g. 4, 8 or 16, "
+                "or the 'linear' head)"
             )
         conv = {2: nn.Conv2d, 3: nn.Conv3d}[ndim]
         self.ndim = ndim
         self.patch_size = patch_size
+        num_stages = patch_size.bit_length() - 1  # log2(patch_size)
+        # Image levels beyond the patch grid's resolution would have nothing to join.
+        self.image_levels = min(image_levels, num_stages + 1)
         min_channels = min(self.MIN_CHANNELS, channels)
 
         self.dropout = nn.Dropout(dropout)
         self.proj = conv(in_channels, channels, kernel_size=1)
-        stages, width = [], channels
-        for _ in range(patch_size.bit_length() - 1):  # log2(patch_size) stages
-            out = max(width // 2, min_channels)
-            stages.append(UpStage(ndim, width, out))
-            width = out
-        self.stages = nn.ModuleList(stages)
+        # Decoder widths per resolution level: level S is the patch grid, level 0 full size.
+        widths = {num_stages: channels}
+        for level in range(num_stages - 1, -1, -1):
+            widths[level] = max(widths[level + 1] // 2, min_channels)
+        self.stages = nn.ModuleList(UpStage(ndim, widths[level + 1], widths[level])
+                                    for level in range(num_stages - 1, -1, -1))
         # Skip from the input: edges a voxel wide survive no patch embedding, so look again.
         self.skip = nn.Sequential(
             ConvNormAct(ndim, image_channels, min_channels),
             ConvNormAct(ndim, min_channels, min_channels),
         )
-        self.fuse = ConvNormAct(ndim, width + min_channels, width)
-        self.classifier = conv(width, num_classes, kernel_size=1)
+        self.fuse = ConvNormAct(ndim, widths[0] + min_channels, widths[0])
+        # Coarser image levels 1 .. K-1: encoder stages and their fusions in the decoder.
+        skip_widths = [min_channels * 2**k for k in range(self.image_levels)]
+        self.down = nn.ModuleList(DownStage(ndim, skip_widths[k - 1], skip_widths[k])
+                                  for k in range(1, self.image_levels))
+        self.down_fuse = nn.ModuleList(ConvNormAct(ndim, widths[k] + skip_widths[k], widths[k])
+                                       for k in range(1, self.image_levels))
+        self.classifier = conv(widths[0], num_classes, kernel_size=1)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -190,31 +226,47 @@ class UpConvHead(nn.Module):
 
     def forward(self, features: list[Tensor], image: Tensor) -> Tensor:
         x = self.proj(self.dropout(torch.cat(features, dim=1)))
-        for stage in self.stages:
-            x = stage(x)
-        x = torch.cat([x, self.skip(image.to(x.dtype))], dim=1)
+        skips = [self.skip(image.to(x.dtype))]
+        for down in self.down:
+            skips.append(down(skips[-1]))
+        level = len(self.stages)
+        for stage in [None, *self.stages]:
+            if stage is not None:
+                x = stage(x)
+                level -= 1
+            if 0 < level < self.image_levels:
+                x = self.down_fuse[level - 1](torch.cat([x, skips[level]], dim=1))
+        x = torch.cat([x, skips[0]], dim=1)
         return self.classifier(self.fuse(x))
 
     def training_flops(self, grid: Sequence[int], features_need_grad: bool = True) -> int:
         """Forward + backward FLOPs for one sample whose patch grid is ``grid`` (convolutions
         only; norms, activations and the concatenation are cheap next to them)."""
+        scale = 2**self.ndim
         n = math.prod(grid)
+        full = n * scale ** len(self.stages)  # positions at the input resolution
         flops = _conv_training_flops(self.proj, n, features_need_grad)
         for stage in self.stages:
             flops += _conv_training_flops(stage.up, n)  # transposed conv: input positions
-            n *= 2**self.ndim
+            n *= scale
             flops += _conv_training_flops(stage.conv[0], n)
         first, second = self.skip[0][0], self.skip[1][0]
-        flops += _conv_training_flops(first, n, input_needs_grad=False)  # the image needs none
-        flops += _conv_training_flops(second, n) + _conv_training_flops(self.fuse[0], n)
-        return flops + _conv_training_flops(self.classifier, n)
+        flops += _conv_training_flops(first, full, input_needs_grad=False)  # the image needs none
+        flops += _conv_training_flops(second, full) + _conv_training_flops(self.fuse[0], full)
+        for k, (down, fuse) in enumerate(zip(self.down, self.down_fuse), start=1):
+            positions = full // scale**k
+            flops += _conv_training_flops(down[0], positions)
+            flops += _conv_training_flops(down[3][0], positions)
+            flops += _conv_training_flops(fuse[0], positions)
+        return flops + _conv_training_flops(self.classifier, full)
 
 
 # ----------------------------------------------------------------------------- model
 class SegmentationModel(nn.Module):
     """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
 
-    ``head``: "linear" or "upconv" (``head_channels`` sets the width of the latter).
+    ``head``: "linear", "upconv" or "multiscale" (``head_channels`` sets the width of the
+    convolutional heads).
     ``freeze_backbone``: train only the head. The backbone's parameters stop requiring
     gradients (the optimizer skips them), its forward runs under ``torch.no_grad`` (no
     activations kept for backward) and it stays in eval mode (no stochastic depth), as in
@@ -245,7 +297,7 @@ class SegmentationModel(nn.Module):
         else:
             self.head = UpConvHead(
                 self.ndim, in_channels, num_classes, backbone.patch_size, backbone.in_chans,
-                channels=head_channels, dropout=dropout,
+                channels=head_channels, dropout=dropout, image_levels=_IMAGE_LEVELS[head],
             )
         if not next(self.head.parameters()).is_meta:  # on meta, init_weights runs after to_empty
             self.head.init_weights()

@@ -1,0 +1,198 @@
+"""Segmentation quality at equal wall-clock budget: our ViT configs against MONAI's U-Nets.
+
+    .venv/bin/pip install --no-deps monai==1.6.1      # benchmark only, not a project dependency
+    python bench/quality.py                           # demo data, 8 minutes per model
+    python bench/quality.py --budget 480 --data /path/to/cellmap \\
+        --model ours=train_configs/quickstart_segmentation_2d.toml \\
+        --model "vit_ms=train_configs/quickstart_segmentation_2d.toml --model.head multiscale" \\
+        --model unet2d=train_configs/quickstart_segmentation_2d.toml
+
+Every model is trained by the project's own trainer (torchrun, same processes), on the same
+data, with the same sampler, augmentation, loss and learning-rate schedule (each config's),
+and scored by the same validation (sliding-window prediction of the held-out crops,
+per-class IoU and Dice the CellMap way, instance F1 for instance classes). A model named
+``unet2d`` / ``unet3d`` is MONAI's ``BasicUNet`` (features 16-32-64-128-256, instance norm,
+the config's loss, crop and classes) in place of the ViT, through a task that differs from
+ours only in ``build_model``.
+
+Equal budget: each model first trains ``--calibrate`` steps to measure its step time here,
+then trains ``budget / step time`` steps (so that each finishes its own LR schedule within the
+budget) and validates at the end. The table gives the wall time each run took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+UNETS = {"unet2d": 2, "unet3d": 3}
+DEFAULT_MODELS = [
+    "vit_linear=train_configs/quickstart_segmentation_2d.toml",
+    "vit_multiscale=train_configs/quickstart_segmentation_2d.toml --model.head multiscale",
+    "unet2d=train_configs/quickstart_segmentation_2d.toml",
+]
+
+
+# --------------------------------------------------------------------------- the peer model
+class UNetModel(nn.Module):
+    """MONAI's BasicUNet with the interface our trainer and validation use."""
+
+    def __init__(self, ndim: int, in_chans: int, num_classes: int):
+        super().__init__()
+        from monai.networks.nets import BasicUNet
+
+        self.net = BasicUNet(spatial_dims=ndim, in_channels=in_chans, out_channels=num_classes,
+                             features=(16, 32, 64, 128, 256, 16), norm="instance")
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for module in self.modules():
+            if hasattr(module, "reset_parameters") and module is not self:
+                module.reset_parameters()
+
+    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
+        logits = self.net(x)
+        if output_size is not None and tuple(logits.shape[2:]) != tuple(output_size):
+            mode = "bilinear" if x.ndim == 4 else "trilinear"
+            logits = nn.functional.interpolate(logits, size=tuple(output_size), mode=mode)
+        return logits
+
+
+def unet_task():
+    from torchtitan.tasks import SegmentationTask
+
+    class UNetTask(SegmentationTask):
+        """Our segmentation task with MONAI's U-Net in place of the ViT."""
+
+        name = "segmentation (MONAI BasicUNet)"
+
+        def build_model(self):
+            m = self.cfg.model
+            return UNetModel(m.ndim, m.in_chans, len(self.cfg.data.classes))
+
+        def flops_per_sample(self, model) -> float:
+            return 0.0  # not needed here
+
+    return UNetTask
+
+
+# --------------------------------------------------------------------------- the runs
+def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path) -> float:
+    """Train one model with torchrun; returns the wall time in seconds."""
+    config, *extra = shlex.split(spec)
+    if name in UNETS:
+        entry = [str(Path(__file__).resolve()), "--unet-worker"]
+        extra += ["--model.ndim", str(UNETS[name])]
+    else:
+        entry = [str(REPO / "train_segmentation.py")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), *entry, "--job.config_file", config, *extra, *argv]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        result = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {result.returncode}); see {log}")
+    return time.perf_counter() - t0
+
+
+def records(dump: Path) -> list[dict]:
+    path = dump / "logs" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def calibrate(name, spec, data, out, nproc, steps) -> float:
+    """Median seconds per training step after the first log interval."""
+    dump = out / f"{name}_calibrate"
+    launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
+                        "--training.steps", str(steps), "--metrics.log_freq", "2",
+                        "--metrics.eval_freq", "0", "--no-checkpoint.enable_checkpoint",
+                        "--no-metrics.progress_bar", "--training.warmup_steps", "0"],
+           nproc, out / f"{name}_calibrate.log")
+    times = [r["step_time_s"] for r in records(dump) if "step_time_s" in r and r["step"] > 2]
+    return statistics.median(times)
+
+
+def train(name, spec, data, out, nproc, steps) -> tuple[float, dict]:
+    dump = out / name
+    wall = launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
+                               "--training.steps", str(steps), "--metrics.eval_freq", "0",
+                               "--no-checkpoint.enable_checkpoint", "--no-metrics.progress_bar"],
+                  nproc, out / f"{name}.log")
+    scores = {}
+    for r in records(dump):
+        if any(k.startswith("val/") for k in r):
+            scores = r
+    return wall, scores
+
+
+def table(results: dict[str, tuple[int, float, dict]], classes: list[str]) -> str:
+    names = list(results)
+    rows = [["", *names], ["steps", *(str(results[n][0]) for n in names)],
+            ["wall s", *(f"{results[n][1]:.0f}" for n in names)]]
+    for metric in ("iou", "dice"):
+        for c in classes:
+            rows.append([f"{metric} {c}", *(f"{results[n][2].get(f'val/{metric}/{c}', math.nan):.3f}"
+                                            for n in names)])
+    rows.append(["mean iou", *(f"{results[n][2].get('val/mean_iou', math.nan):.3f}" for n in names)])
+    extra = sorted({k for n in names for k in results[n][2]
+                    if k.startswith("val/") and ("f1" in k or "instance" in k)})
+    for k in extra:
+        rows.append([k[4:], *(f"{results[n][2].get(k, math.nan):.3f}" for n in names)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=REPO / "data" / "demo",
+                        help="CellMap-layout data (default: the demo data, made if missing)")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "quality")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds of training per model")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--calibrate", type=int, default=12, help="steps to time each model")
+    parser.add_argument("--model", action="append", default=None, metavar="NAME=CONFIG [FLAGS]",
+                        help="a model to train: NAME=CONFIG plus config flags; NAME unet2d or "
+                             "unet3d trains MONAI's BasicUNet with that config")
+    args = parser.parse_args(argv)
+    models = dict(m.split("=", 1) for m in (args.model or DEFAULT_MODELS))
+    if not args.data.exists():
+        subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
+                        str(args.data)], check=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    classes: list[str] = []
+    for name, spec in models.items():
+        step_time = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
+        steps = max(1, int(args.budget / step_time))
+        wall, scores = train(name, spec, args.data, args.out, args.nproc, steps)
+        results[name] = (steps, wall, scores)
+        classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
+        print(f"{name}: {step_time:.3f} s/step -> {steps} steps, {wall:.0f} s, mean IoU "
+              f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
+    print(f"\nbudget {args.budget:.0f} s per model, data {args.data}, {args.nproc} processes\n")
+    print(table(results, classes))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--unet-worker":
+        from torchtitan.trainer import run
+
+        sys.exit(run(unet_task(), sys.argv[2:]))
+    sys.exit(main())
