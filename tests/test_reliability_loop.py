@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -357,11 +358,34 @@ def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(demo_data, tmp_
     _same_losses(dump, straight)
 
 
+def _step_between_checkpoints(interval: int) -> int:
+    """A random step (seeded by the test run's clock, printed) that is not a checkpoint step,
+    after the first checkpoint and before the last step."""
+    step = random.Random(time.time_ns()).choice(
+        [s for s in range(interval + 1, STEPS) if s % interval])
+    print(f"killing at step {step}")
+    return step
+
+
+def test_one_rank_killed_and_started_again(demo_data, tmp_path, straight):
+    """SIGKILL of one worker: torchrun (no restarts) stops the other and fails; the same
+    command started again resumes from the last checkpoint, each step logged once."""
+    dump = tmp_path / "run"
+    args = _seg_args(demo_data, dump, "--checkpoint.interval", "3")
+    proc = _start("train_segmentation.py", args)
+    _wait_for_step(dump, _step_between_checkpoints(3), proc)
+    os.kill(_workers(proc.pid)[1], signal.SIGKILL)
+    code, _, _ = _finish(proc)
+    assert code != 0
+    _ok(launch("train_segmentation.py", args))
+    _same_losses(dump, straight)
+
+
 def test_whole_job_killed_and_started_again(demo_data, tmp_path, straight):
     dump = tmp_path / "run"
     args = _seg_args(demo_data, dump, "--checkpoint.interval", "3")
     proc = _start("train_segmentation.py", args)
-    _wait_for_step(dump, 5, proc)
+    _wait_for_step(dump, _step_between_checkpoints(3), proc)
     workers = _workers(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     for pid in workers.values():
