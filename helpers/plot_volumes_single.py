@@ -20,31 +20,26 @@ import argparse
 import sys
 from pathlib import Path
 
-# Make the repository importable when the script is run as `python helpers/<script>.py`.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from torchtitan.datasets.cellmap import (  # noqa: E402
+from torchtitan.cellmap.grids import closest_level
+from torchtitan.cellmap.ome_ngff import read_multiscales
+from torchtitan.datasets.cellmap import (
     EM_GROUP,
     GT_GROUP,
     DatasetError,
     EMSource,
     LabelCrop,
-    ScaleLevel,
     read_crop,
-    closest_level,
     discover,
-    read_label_class,
     read_linear,
-    read_multiscales,
     read_nearest,
 )
-from torchtitan.datasets.samples import crop_grid  # noqa: E402
-from torchtitan.visualization import CLASS_COLORS, comparison_frames, save_gif  # noqa: E402
-from torchtitan.errors import UserError, print_user_error  # noqa: E402
+from torchtitan.datasets.samples import crop_grid
+from torchtitan.datasets.targets import annotates, read_target
+from torchtitan.evaluation import prediction_level
+from torchtitan.visualization import CLASS_COLORS, comparison_frames, save_gif
+from torchtitan.errors import run_cli
 
 # ---------------------------------------------------------------------------------------------
 # Finding and reading crops (shared with plot_volumes_grid.py)
@@ -122,7 +117,9 @@ def read_crop_volume(source: EMSource, crop: LabelCrop, classes: list[str], voxe
     """EM, masks and validity of a whole crop on a grid of ``voxel_size`` nm.
 
     Returns ``em`` (D, H, W) uint8, ``truth`` and ``valid`` (K, D, H, W) bool (a class the crop
-    does not annotate is all invalid), and the grid's ``origin``, ``shape`` and ``voxel_size``.
+    does not annotate, itself or through all its parts, is all invalid), and the grid's
+    ``origin``, ``shape`` and ``voxel_size``. The truth is the training target
+    (``datasets.targets.read_target``), so the picture shows what the model learns from.
     """
     voxel_size = np.asarray(voxel_size if voxel_size is not None else source.levels[0].scale, float)
     origin, shape = crop_grid(crop, voxel_size)
@@ -131,28 +128,10 @@ def read_crop_volume(source: EMSource, crop: LabelCrop, classes: list[str], voxe
     truth = np.zeros((len(classes), *shape), bool)
     valid = np.zeros_like(truth)
     for k, cls in enumerate(classes):
-        if cls in crop.classes:
-            truth[k], valid[k] = read_label_class(crop, cls, origin, voxel_size, shape)
+        if annotates(crop, cls):
+            truth[k], valid[k] = read_target(crop, cls, origin, voxel_size, shape)
     return {"em": np.clip(em, 0, 255).round().astype(np.uint8), "truth": truth, "valid": valid,
             "origin": origin, "shape": shape, "voxel_size": voxel_size}
-
-
-def _prediction_level(path: Path) -> ScaleLevel:
-    """Where a prediction lies in the world: a plain array with ``voxel_size`` and
-    ``translation`` attributes (the submission layout) or an OME-NGFF multiscale group."""
-    import zarr
-
-    node = zarr.open(str(path), mode="r")
-    if isinstance(node, zarr.Group):
-        return read_multiscales(path)[0]
-    attrs = dict(node.attrs)
-    if "voxel_size" not in attrs:
-        raise DatasetError(f"{path}: a prediction array needs 'voxel_size' and 'translation' attributes (nm)")
-    scale = tuple(float(v) for v in attrs["voxel_size"])
-    translation = tuple(float(v) for v in attrs.get("translation", (0.0, 0.0, 0.0)))
-    if len(node.shape) != 3:
-        raise DatasetError(f"{path}: expected a 3D (z, y, x) prediction, got shape {node.shape}")
-    return ScaleLevel(str(path), scale, translation, tuple(node.shape))
 
 
 def read_prediction(pred_root, crop: LabelCrop, classes: list[str], origin, voxel_size, shape) -> np.ndarray:
@@ -167,7 +146,7 @@ def read_prediction(pred_root, crop: LabelCrop, classes: list[str], origin, voxe
         if not path.exists():
             print(f"note: no prediction for class {cls!r} in {crop_dir}")
             continue
-        level = _prediction_level(path)
+        level = prediction_level(path)
         pred[k] = read_nearest(level, origin, voxel_size, shape, fill=0).astype(np.float32) > 0.5
     return pred
 
@@ -224,14 +203,6 @@ def main(argv=None) -> None:
         print(f"wrote {args.png}")
 
 
-def cli(argv=None) -> int:
-    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
-    argument) is one message without a traceback, exit status 2."""
-    try:
-        return main(argv) or 0
-    except UserError as e:
-        return print_user_error(e)
-
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

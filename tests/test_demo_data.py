@@ -52,7 +52,7 @@ def cli_runs(tmp_path_factory):
     """Run the CLI twice on the same folder: it should generate, then skip."""
     out = tmp_path_factory.mktemp("cli") / "demo"
     cmd = [sys.executable, "helpers/make_demo_data.py", "--out", str(out), "--seed", "0", "--scale", str(SCALE)]
-    env = {**os.environ, "PYTHONPATH": ""}  # the script must find the repo by itself
+    env = {**os.environ, "PYTHONPATH": ""}  # the script finds the package as installed
     first = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     second = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     return out, first, second

@@ -280,7 +280,7 @@ def test_cli_scores_the_ground_truth_itself_near_one(gt_root, tmp_path):
     OME-NGFF group; pm and ecs instead at the crop's voxel size on a grid that starts three
     voxels earlier (a half-voxel slip in the translation convention would break these).
     Resampled back to each crop's grid they must agree with the truth."""
-    from torchtitan.datasets.demo_data import multiscales_attrs
+    from torchtitan.cellmap.ome_ngff import multiscales_attrs
 
     from torchtitan.evaluation import INSTANCE_CLASSES
 

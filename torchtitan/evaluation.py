@@ -60,13 +60,15 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
+from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.grids import ScaleLevel
+from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to_target
+from torchtitan.cellmap.ome_ngff import read_multiscales
 from torchtitan.errors import UserError
 
 if TYPE_CHECKING:
     import torch
-
-# The CellMap challenge's instance classes; every other class is scored semantically only.
-INSTANCE_CLASSES: tuple[str, ...] = ("nuc", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell")
 
 # Probabilities (and linearly resampled binary masks) above this count as foreground.
 THRESHOLD = 0.5
@@ -497,9 +499,10 @@ def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
 # Every scored class is compared on its ground-truth grid (the s0 level of the crop's label
 # group); predictions are resampled to it in world coordinates.
 #
-# The reading code lives in torchtitan.datasets.cellmap. This module is on the same floor as
-# datasets/ (floor 2 may import only floor 1), so the functions below import it lazily, when
-# the command runs; the metrics above never need it.
+# What label values mean, grids and OME-NGFF metadata come from the domain layer
+# (torchtitan.cellmap). Array reading lives in torchtitan.datasets.cellmap, on the same floor
+# as this module, so the functions below import it lazily, when the command runs; the metrics
+# above never need it.
 
 
 class SubmissionError(UserError, ValueError):
@@ -537,8 +540,6 @@ def prediction_level(node: Path):
     """The ``ScaleLevel`` (path, voxel size, translation, shape) of one predicted class."""
     import zarr
 
-    from torchtitan.datasets import cellmap  # lazy: see the note above
-
     try:
         obj = zarr.open(str(node), mode="r")
     except Exception as e:  # noqa: BLE001 - re-raised with the path
@@ -557,11 +558,11 @@ def prediction_level(node: Path):
                 f"{node}: expected a 3D (z, y, x) array with 3-element voxel_size and translation, "
                 f"got shape {obj.shape}, voxel_size {scale}, translation {translation}"
             )
-        return cellmap.ScaleLevel(str(node), tuple(map(float, scale)), tuple(map(float, translation)),
-                                  tuple(obj.shape))
+        return ScaleLevel(shape=tuple(obj.shape), scale=tuple(map(float, scale)),
+                          translation=tuple(map(float, translation)), path=str(node))
     try:
-        return cellmap.read_multiscales(node)[0]
-    except cellmap.DatasetError as e:
+        return read_multiscales(node)[0]
+    except DatasetError as e:
         raise SubmissionError(f"{node}: a prediction group needs OME-NGFF multiscales metadata ({e})") from e
 
 
@@ -588,20 +589,17 @@ def resample_prediction(level, name: str, origin, voxel_size, shape) -> np.ndarr
 def read_truth(crop, name: str):
     """Ground truth of one class of a crop on its own s0 grid: (truth, valid, level).
 
-    ``truth`` is a boolean mask, or instance ids for an instance class stored with ids.
-    Voxels with the crop's "unknown" value (255) are invalid.
+    ``truth`` is a boolean mask, or instance ids for an instance class stored with ids; what
+    the stored values mean is ``torchtitan.cellmap.labels``' rule (unknown voxels invalid).
     """
     from torchtitan.datasets import cellmap  # lazy: see the note above
 
     level = crop.classes[name][0]
     raw = np.asarray(cellmap.open_array(level.path)[...])
-    encoding = crop.encoding.get(name, {})
-    unknown = int(encoding.get("unknown", cellmap.UNKNOWN))
-    absent, present = int(encoding.get("absent", 0)), int(encoding.get("present", 1))
-    valid = raw != unknown
-    foreground = valid & (raw != absent)
-    if name in INSTANCE_CLASSES and np.any(raw[foreground] != present):
-        return np.where(foreground, raw, 0), valid, level
+    encoding = crop.encoding_of(name)
+    foreground, valid = label_to_target(raw, encoding)
+    if name in INSTANCE_CLASSES and holds_instance_ids(raw, encoding):
+        return label_to_ids(raw, encoding), valid, level
     return foreground, valid, level
 
 

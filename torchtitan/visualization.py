@@ -28,6 +28,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from torchtitan.cellmap.classes import CLASS_PARTS
+
 RGB = tuple[int, int, int]
 
 # ---------------------------------------------------------------------------------------------
@@ -36,6 +38,7 @@ RGB = tuple[int, int, int]
 
 # One fixed colour per CellMap class, saturated and bright enough to read on grey EM. Related
 # classes share a hue: a membrane ("_mem") is a darker shade, a lumen ("_lum") a lighter one.
+# Which classes are parts of which is the class table's (``torchtitan.cellmap.classes``).
 _BASE_COLORS: dict[str, RGB] = {
     "ecs": (50, 110, 255),  # blue: extracellular space
     "pm": (255, 230, 0),  # yellow: plasma membrane
@@ -71,9 +74,10 @@ _BASE_COLORS: dict[str, RGB] = {
     "isg": (255, 215, 200),  # insulin secretory granules
 }
 
-
-# Organelles that CellMap also labels as a membrane ("_mem") and a lumen ("_lum").
-_HAS_MEMBRANE_AND_LUMEN = {"ne", "er", "eres", "golgi", "ves", "endo", "lyso", "ld", "perox", "isg"}
+# How much darker (< 1) or lighter (> 1) than its organelle a part of each kind is drawn.
+_PART_SHADES = {"_mem": 0.55, "_lum": 1.45, "_out": 0.6, "_in": 1.4}
+# The demo data's mitochondria: a dark green envelope around a pale green lumen.
+_SPECIAL_PART_COLORS: dict[str, RGB] = {"mito_mem": (0, 120, 40), "mito_lum": (150, 255, 130)}
 
 
 def _shade(color: RGB, factor: float) -> RGB:
@@ -84,26 +88,16 @@ def _shade(color: RGB, factor: float) -> RGB:
 
 
 def _with_parts(base: dict[str, RGB]) -> dict[str, RGB]:
-    """Add the CellMap part classes right after their parent: ``<x>_mem`` / ``<x>_out``
-    darker, ``<x>_lum`` / ``<x>_in`` lighter than ``<x>``."""
-    special = {
-        # The demo data's mitochondria: a dark green envelope around a pale green lumen.
-        "mito": {"mito_mem": (0, 120, 40), "mito_lum": (150, 255, 130)},
-        # Nuclear pores and microtubules have an outer and an inner part instead.
-        "np": {"np_out": _shade(base["np"], 0.6), "np_in": _shade(base["np"], 1.4)},
-        "mt": {"mt_out": _shade(base["mt"], 0.6), "mt_in": _shade(base["mt"], 1.4)},
-    }
+    """Add the CellMap part classes of each class right after it: its parts named
+    ``<x>_mem`` / ``<x>_out`` darker, ``<x>_lum`` / ``<x>_in`` lighter than ``<x>`` (parts of
+    another organelle, such as the nuclear envelope inside ``er``, keep their own colours)."""
     out: dict[str, RGB] = {}
     for name, color in base.items():
         out[name] = color
-        if name in special:
-            parts = special[name]
-        elif name in _HAS_MEMBRANE_AND_LUMEN:
-            parts = {f"{name}_mem": _shade(color, 0.55), f"{name}_lum": _shade(color, 1.45)}
-        else:
-            parts = {}
-        for part, part_color in parts.items():
-            out.setdefault(part, part_color)
+        for part in CLASS_PARTS.get(name, ()):
+            suffix = part[len(name):]
+            if part.startswith(name) and suffix in _PART_SHADES:
+                out.setdefault(part, _SPECIAL_PART_COLORS.get(part) or _shade(color, _PART_SHADES[suffix]))
     return out
 
 

@@ -10,6 +10,8 @@ under the ``ome`` key of a zarr format 3 ``zarr.json``): per level a ``scale`` (
 and a ``translation`` (nm position of the *centre* of voxel 0). Label crops sit
 anywhere inside the EM volume and may use a finer or coarser grid than the EM. Everything
 here therefore works in world coordinates and converts to voxel indices only when reading.
+The metadata is read by ``torchtitan.cellmap.ome_ngff``, grids and levels are
+``torchtitan.cellmap.grids``, and what label values mean is ``torchtitan.cellmap.labels``.
 
 A "training grid" is described by an origin (world position of the corner of the first
 voxel, nm) plus a voxel size and a shape; voxel ``i`` has its centre at
@@ -30,9 +32,7 @@ naming EM volumes and crops one by one, each crop marked train or val (see "Spli
 from __future__ import annotations
 
 import csv
-import json
 import logging
-import math
 import os
 import tomllib
 from collections import OrderedDict
@@ -41,19 +41,21 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.grids import AXES, ScaleLevel, voxel_positions
+from torchtitan.cellmap.labels import DEFAULT_ENCODING, LabelEncoding
+from torchtitan.cellmap.ome_ngff import (
+    is_multiscale_group,
+    read_attrs,
+    read_multiscales,
+    stored_intensity_range,
+)
 from torchtitan.datasets import zarr_chunks
-from torchtitan.errors import UserError
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
 EM_GROUP_UINT16 = "recon-1/em/fibsem-uint16"  # used when a store has no uint8 EM
 logger = logging.getLogger(__name__)
 GT_GROUP = "recon-1/labels/groundtruth"
-AXES = ("z", "y", "x")
-UNKNOWN = 255  # CellMap's "unknown" label value
-
-
-class DatasetError(UserError, ValueError):
-    """A problem with the data on disk or its description; the message says what to fix."""
 
 
 class ChunkReadError(DatasetError):
@@ -78,25 +80,6 @@ class ChunkReadError(DatasetError):
         )
 
 
-@dataclass(frozen=True)
-class ScaleLevel:
-    """One resolution level of an OME-NGFF multiscale image."""
-
-    path: str  # filesystem path of the zarr array
-    scale: tuple[float, float, float]  # nm per voxel (z, y, x)
-    translation: tuple[float, float, float]  # nm, centre of voxel 0
-    shape: tuple[int, int, int]
-
-    @property
-    def box_min(self) -> np.ndarray:
-        """World position (nm) of the outer corner of voxel 0."""
-        return np.asarray(self.translation) - np.asarray(self.scale) / 2
-
-    @property
-    def box_max(self) -> np.ndarray:
-        return self.box_min + np.asarray(self.shape) * np.asarray(self.scale)
-
-
 @dataclass
 class LabelCrop:
     """One annotated crop: the classes it annotates, each as a multiscale label image."""
@@ -104,13 +87,18 @@ class LabelCrop:
     name: str  # e.g. "crop3"
     dataset: str  # e.g. "jrc_hela-2"
     classes: dict[str, list[ScaleLevel]]
-    encoding: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per class group, the label values it uses (groups without one use the default).
+    encoding: dict[str, LabelEncoding] = field(default_factory=dict)
     # "train" or "val" when a split list (CSV / TOML) assigned the crop; None for a folder.
     split: str | None = None
 
     @property
     def full_name(self) -> str:
         return f"{self.dataset}/{self.name}"
+
+    def encoding_of(self, group: str) -> LabelEncoding:
+        """The label encoding of one class group of the crop."""
+        return self.encoding.get(group, DEFAULT_ENCODING)
 
     @property
     def box_min(self) -> np.ndarray:
@@ -138,94 +126,19 @@ class EMSource:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_attrs(group_path: Path) -> dict:
-    """Attributes of a zarr group, format 2 (.zattrs) or 3 (zarr.json)."""
-    v2 = group_path / ".zattrs"
-    if v2.is_file():
-        return json.loads(v2.read_text())
-    v3 = group_path / "zarr.json"
-    if v3.is_file():
-        return json.loads(v3.read_text()).get("attributes", {})
-    return {}
-
-
-def _array_shape(array_path: Path) -> tuple[int, ...]:
-    v2 = array_path / ".zarray"
-    if v2.is_file():
-        return tuple(json.loads(v2.read_text())["shape"])
-    v3 = array_path / "zarr.json"
-    if v3.is_file():
-        meta = json.loads(v3.read_text())
-        if meta.get("node_type") == "array":
-            return tuple(meta["shape"])
-    raise DatasetError(f"{array_path}: not a zarr array (no .zarray or zarr.json)")
-
-
-def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
-    """Read the OME-NGFF ``multiscales`` of a group (0.4 in zarr format 2 ``.zattrs``, or 0.5
-    under ``ome`` in a zarr format 3 ``zarr.json``): one ScaleLevel per dataset path."""
-    group_path = Path(group_path)
-    attrs = _read_attrs(group_path)
-    ms = attrs.get("multiscales") or attrs.get("ome", {}).get("multiscales")
-    if not ms:
-        raise DatasetError(
-            f"{group_path}: no OME-NGFF 'multiscales' attribute; every EM and label group must "
-            "describe its levels: add 'multiscales' (OME-NGFF 0.4, in .zattrs) or "
-            "'ome': {'multiscales': ...} (0.5, in zarr.json) with axes z, y, x in nanometer and "
-            "a scale and translation per level"
-        )
-    ms = ms[0]
-    axes = ms.get("axes", [])
-    names = tuple(a.get("name") if isinstance(a, dict) else a for a in axes)
-    if names != AXES:
-        raise DatasetError(
-            f"{group_path}: multiscales axes are {names}, expected {AXES}; only 3D EM and "
-            "labels are supported: store the arrays as (z, y, x) and list exactly those axes"
-        )
-    for a in axes:
-        unit = a.get("unit") if isinstance(a, dict) else None
-        if unit not in (None, "nanometer"):
-            raise DatasetError(
-                f"{group_path}: axis {a['name']!r} has unit {unit!r}; only 'nanometer' is "
-                "supported: convert the scale and translation of every level to nanometres "
-                "and set the axis unit to 'nanometer'"
-            )
-    if not ms.get("datasets"):
-        raise DatasetError(f"{group_path}: multiscales lists no 'datasets' (levels s0, s1, ...)")
-    levels = []
-    for ds in ms["datasets"]:
-        scale, translation = (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)
-        for t in ds.get("coordinateTransformations", []):
-            if t["type"] == "scale":
-                scale = tuple(float(s) for s in t["scale"])
-            elif t["type"] == "translation":
-                translation = tuple(float(s) for s in t["translation"])
-        path = group_path / ds["path"]
-        shape = _array_shape(path)
-        if len(shape) != 3:
-            raise DatasetError(f"{path}: expected a 3D (z, y, x) array, got shape {shape}")
-        if min(scale) <= 0:
-            raise DatasetError(f"{path}: scale {list(scale)} must be positive (nm per voxel)")
-        levels.append(ScaleLevel(str(path), scale, translation, shape))
-    return levels
-
-
 def read_crop(crop_path: Path, dataset: str, only: list[str] | None = None) -> LabelCrop | None:
     """One label crop folder (``crop<N>``) of ``dataset``: its annotated class groups (all, or
     those named in ``only``), or None when it holds none."""
     classes: dict[str, list[ScaleLevel]] = {}
-    encoding: dict[str, dict[str, int]] = {}
+    encoding: dict[str, LabelEncoding] = {}
     for class_dir in sorted(p for p in crop_path.iterdir() if p.is_dir()):
         if only is not None and class_dir.name not in only:
             continue
-        attrs = _read_attrs(class_dir)
-        if "multiscales" not in attrs and "ome" not in attrs:
+        attrs = read_attrs(class_dir)
+        if not is_multiscale_group(attrs):
             continue  # not a class group
         classes[class_dir.name] = read_multiscales(class_dir)
-        ann = attrs.get("cellmap", {}).get("annotation", {})
-        encoding[class_dir.name] = ann.get("annotation_type", {}).get(
-            "encoding", {"absent": 0, "present": 1, "unknown": UNKNOWN}
-        )
+        encoding[class_dir.name] = LabelEncoding.from_attrs(attrs)
     if not classes:
         return None
     return LabelCrop(crop_path.name, dataset, classes, encoding)
@@ -530,13 +443,6 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
         )
 
 
-def closest_level(levels: list[ScaleLevel], voxel_size) -> int:
-    """Index of the level whose voxel size is closest to ``voxel_size`` (log distance)."""
-    v = np.asarray(voxel_size, dtype=float)
-    dist = [float(np.abs(np.log(np.asarray(lv.scale) / v)).sum()) for lv in levels]
-    return int(np.argmin(dist))
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading a box of the training grid
 # ---------------------------------------------------------------------------------------------
@@ -568,15 +474,6 @@ def open_array(path: str):
     while len(_ARRAY_CACHE) > ARRAY_CACHE_SIZE:
         _ARRAY_CACHE.popitem(last=False)
     return arr
-
-
-def _positions(level: ScaleLevel, origin, voxel_size, shape) -> list[np.ndarray]:
-    """Continuous voxel coordinates (in ``level``'s index space) of the training grid centres."""
-    out = []
-    for ax in range(3):
-        centres = origin[ax] + (np.arange(shape[ax]) + 0.5) * voxel_size[ax]
-        out.append((centres - level.translation[ax]) / level.scale[ax])
-    return out
 
 
 def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.ndarray:
@@ -611,7 +508,7 @@ def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.nd
 
 def read_nearest(level: ScaleLevel, origin, voxel_size, shape, fill) -> np.ndarray:
     """Sample ``level`` at the training grid by nearest neighbour (labels)."""
-    pos = _positions(level, origin, voxel_size, shape)
+    pos = voxel_positions(level, origin, voxel_size, shape)
     idx = [np.floor(p + 0.5).astype(np.int64) for p in pos]
     lo = [int(i.min()) for i in idx]
     hi = [int(i.max()) + 1 for i in idx]
@@ -635,7 +532,7 @@ def read_linear(level: ScaleLevel, origin, voxel_size, shape, fill=0) -> tuple[n
     sample origin is snapped to it) this is a plain slice in the array's own dtype (uint8 for
     EM); otherwise the interpolated image is float32.
     """
-    pos = _positions(level, origin, voxel_size, shape)
+    pos = voxel_positions(level, origin, voxel_size, shape)
     inside = [(p > -0.5) & (p < level.shape[ax] - 0.5) for ax, p in enumerate(pos)]
     valid = inside[0][:, None, None] & inside[1][None, :, None] & inside[2][None, None, :]
     i0 = [np.floor(p).astype(np.int64) for p in pos]
@@ -660,61 +557,12 @@ def read_linear(level: ScaleLevel, origin, voxel_size, shape, fill=0) -> tuple[n
     return img, valid
 
 
-def read_label_class(crop: LabelCrop, cls: str, origin, voxel_size, shape) -> tuple[np.ndarray, np.ndarray]:
-    """Binary target and validity mask of one class of a crop, on the training grid.
-
-    Voxels outside the crop or marked unknown are invalid.
-    """
-    levels = crop.classes[cls]
-    # The coarsest level that is still at least as fine as the training grid: nearest sampling
-    # from it loses no detail. If every level is coarser, take the closest one.
-    finer = [lv for lv in levels if np.all(np.asarray(lv.scale) <= np.asarray(voxel_size) + 1e-6)]
-    if finer:
-        level = max(finer, key=lambda lv: float(np.prod(lv.scale)))
-    else:
-        level = levels[closest_level(levels, voxel_size)]
-    enc = crop.encoding.get(cls, {})
-    unknown = int(enc.get("unknown", UNKNOWN))
-    present = int(enc.get("present", 1))
-    raw = read_nearest(level, origin, voxel_size, shape, fill=unknown)
-    valid = raw != unknown
-    target = (raw == present) & valid
-    return target, valid
-
-
-def grid_origin_snapped(level: ScaleLevel, voxel_size, approx_origin) -> np.ndarray:
-    """Move ``approx_origin`` (nm) onto the voxel corners of ``level`` when its voxel size equals
-    the training voxel size, so reading needs no interpolation."""
-    origin = np.asarray(approx_origin, dtype=float).copy()
-    for ax in range(3):
-        if math.isclose(level.scale[ax], voxel_size[ax], rel_tol=1e-6):
-            corner0 = level.translation[ax] - level.scale[ax] / 2
-            k = np.round((origin[ax] - corner0) / voxel_size[ax])
-            origin[ax] = corner0 + k * voxel_size[ax]
-    return origin
-
-
 # ---------------------------------------------------------------------------------------------
 # EM intensities: uint8 as stored, anything else mapped onto the uint8 scale from a range
 # ---------------------------------------------------------------------------------------------
 
 _WARNED_OUT_OF_RANGE: set[str] = set()  # datasets already warned about clipped EM values
 NAN_CHECK_BOX = 32  # voxels per axis of the box each EM volume is checked for NaN at startup
-
-
-def stored_em_range(group_path: str | os.PathLike) -> tuple[float, float] | None:
-    """The intensity window an EM group stores (OME-NGFF ``omero``, 0.4 or under ``ome``)."""
-    attrs = _read_attrs(Path(group_path))
-    omero = attrs.get("omero") or attrs.get("ome", {}).get("omero")
-    try:
-        window = omero["channels"][0]["window"]
-    except (TypeError, KeyError, IndexError):
-        return None
-    for lo_key, hi_key in (("start", "end"), ("min", "max")):
-        lo, hi = window.get(lo_key), window.get(hi_key)
-        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi:
-            return float(lo), float(hi)
-    return None
 
 
 def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None:
@@ -729,7 +577,7 @@ def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None
         raise DatasetError(f"EM array {level0.path} has dtype {dtype}; expected uint8, another "
                            "integer type or float")
     group = Path(level0.path).parent
-    stored = stored_em_range(group)
+    stored = stored_intensity_range(group)
     if stored is not None:
         logger.info("%s: %s EM mapped from its stored range [%g, %g] (omero window) to 0..255",
                     source.name, dtype, *stored)

@@ -40,7 +40,9 @@ that even a tiny test set shows membranes and extracellular space.
 Scale levels follow the voxel-centre convention: a level's ``translation`` is the world
 position of the centre of its voxel 0, so level k of a 2x pyramid has
 ``scale_k = scale_0 * 2**k`` and ``translation_k = translation_0 + (scale_k - scale_0) / 2``.
-Label values are 0 (absent), 1 (present) and 255 (unknown), as in the challenge.
+Label values are 0 (absent), 1 (present) and 255 (unknown), as in the challenge. The grid
+type, the label encoding and the OME-NGFF writer are those of ``torchtitan.cellmap``, so the
+demo set is written exactly as the readers expect it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ import numpy as np
 import scipy.ndimage as ndi
 import zarr
 
+from torchtitan.cellmap.grids import Grid
+from torchtitan.cellmap.labels import UNKNOWN, annotation_attrs, label_to_target
+from torchtitan.cellmap.ome_ngff import read_multiscales, write_multiscale_array_group
 from torchtitan.errors import UserError
 
 # ---------------------------------------------------------------------------------------
@@ -92,22 +97,6 @@ CLASS_ATOMS: dict[str, tuple[int, ...]] = {
 }
 DEMO_CLASSES: list[str] = list(CLASS_ATOMS)
 
-# Which classes contain which: child -> parents (all of them, not only the nearest).
-CLASS_PARENTS: dict[str, tuple[str, ...]] = {
-    "pm": ("cell",),
-    "nuc": ("cell",),
-    "mito": ("cell",),
-    "mito_mem": ("mito", "cell"),
-    "mito_lum": ("mito", "cell"),
-    "er": ("cell",),
-    "ves": ("cell",),
-    "ld": ("cell",),
-}
-
-# Label encoding of the CellMap challenge.
-ABSENT, PRESENT, UNKNOWN = 0, 1, 255
-LABEL_ENCODING = {"absent": ABSENT, "present": PRESENT, "unknown": UNKNOWN}
-
 EM_PATH = "recon-1/em/fibsem-uint8"
 GROUNDTRUTH_PATH = "recon-1/labels/groundtruth"
 COMPLETE_MARKER = ".demo_complete"
@@ -134,40 +123,8 @@ ER_MEMBRANE = 9.0
 VES_MEMBRANE = 8.0
 
 # ---------------------------------------------------------------------------------------
-# Voxel grids in world coordinates
+# Voxel grids in world coordinates (torchtitan.cellmap.grids.Grid)
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A regular voxel grid placed in the world.
-
-    Attributes:
-        shape: number of voxels (z, y, x).
-        scale: voxel size in nm (z, y, x).
-        translation: world position in nm of the centre of voxel (0, 0, 0).
-    """
-
-    shape: tuple[int, int, int]
-    scale: tuple[float, float, float]
-    translation: tuple[float, float, float]
-
-    def axis(self, d: int) -> np.ndarray:
-        """World coordinates of the voxel centres along axis ``d`` (float32)."""
-        return (self.translation[d] + self.scale[d] * np.arange(self.shape[d])).astype(np.float32)
-
-    def axes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.axis(0), self.axis(1), self.axis(2)
-
-    @property
-    def lo(self) -> np.ndarray:
-        """World position of the outer corner of voxel 0 (not its centre)."""
-        return np.asarray(self.translation) - np.asarray(self.scale) / 2
-
-    @property
-    def hi(self) -> np.ndarray:
-        """World position of the outer corner of the last voxel."""
-        return self.lo + np.asarray(self.scale) * np.asarray(self.shape)
 
 
 def _axis_slice(axis: np.ndarray, lo: float, hi: float) -> slice:
@@ -972,78 +929,6 @@ def downsample_any(mask: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------
-# Writing OME-NGFF multiscale groups in zarr format 2
-# ---------------------------------------------------------------------------------------
-
-
-def multiscales_attrs(name: str, scale0, translation0, n_levels: int) -> list[dict]:
-    """OME-NGFF 0.4 ``multiscales`` metadata of a 2x pyramid ``s0 .. s{n_levels-1}``.
-
-    Translations follow the voxel-centre convention: level k's voxel 0 is centred at
-    ``translation0 + (scale_k - scale0) / 2``.
-    """
-    datasets = []
-    for k in range(n_levels):
-        scale = [float(s) * 2**k for s in scale0]
-        translation = [float(t) + (s - float(s0)) / 2 for t, s, s0 in zip(translation0, scale, scale0)]
-        datasets.append(
-            {
-                "path": f"s{k}",
-                "coordinateTransformations": [
-                    {"type": "scale", "scale": scale},
-                    {"type": "translation", "translation": translation},
-                ],
-            }
-        )
-    axes = [{"name": a, "type": "space", "unit": "nanometer"} for a in ("z", "y", "x")]
-    return [{"version": "0.4", "name": name, "axes": axes, "datasets": datasets}]
-
-
-def write_multiscale_array_group(
-    parent: zarr.Group,
-    path: str,
-    levels: list[np.ndarray],
-    scale0,
-    translation0,
-    chunks=(64, 64, 64),
-    extra_attrs: dict | None = None,
-    fill_value: int = 0,
-) -> zarr.Group:
-    """Write ``levels`` as arrays ``s0, s1, ...`` of a new group at ``parent/path``.
-
-    The group gets OME-NGFF 0.4 ``multiscales`` attributes (plus ``extra_attrs``); each
-    level is assumed to be a 2x downsampling of the previous one.
-    """
-    attrs = {"multiscales": multiscales_attrs(path.rsplit("/", 1)[-1], scale0, translation0, len(levels))}
-    attrs.update(extra_attrs or {})
-    # Parents are made with require_group so that every level of the hierarchy is a real
-    # zarr v2 group (with its own .zgroup), as readers of the challenge data expect.
-    if "/" in path:
-        parent = parent.require_group(path.rsplit("/", 1)[0])
-    group = parent.create_group(path.rsplit("/", 1)[-1], attributes=attrs)
-    for k, data in enumerate(levels):
-        level_chunks = tuple(min(c, n) for c, n in zip(chunks, data.shape))
-        group.create_array(f"s{k}", data=data, chunks=level_chunks, fill_value=fill_value)
-    return group
-
-
-def cellmap_annotation_attrs(class_name: str, labels: np.ndarray) -> dict:
-    """The ``cellmap`` attribute of a semantic-segmentation label group (counts from s0)."""
-    return {
-        "cellmap": {
-            "annotation": {
-                "annotation_type": {"encoding": dict(LABEL_ENCODING), "type": "semantic_segmentation"},
-                "class_name": class_name,
-                "complement_counts": {
-                    "absent": int(np.count_nonzero(labels == ABSENT)),
-                    "unknown": int(np.count_nonzero(labels == UNKNOWN)),
-                },
-            }
-        }
-    }
-
-
-# ---------------------------------------------------------------------------------------
 # The demo set
 # ---------------------------------------------------------------------------------------
 
@@ -1131,11 +1016,11 @@ def _crop_grid(crop: CropSpec, em: Grid, scale: float) -> Grid:
     for d in range(3):
         v, s_em = crop.voxel_nm[d], em.scale[d]
         shift = s_em / 2 if crop.half_voxel_shift else 0.0
-        extent = em.hi[d] - em.lo[d] - shift
+        extent = em.box_max[d] - em.box_min[d] - shift
         n = max(4, 2 * round(crop.size_nm[d] * scale / v / 2))  # even, for the s1 level
         n = min(n, 2 * int(extent // (2 * v)))
         free_voxels = int((extent - n * v) // s_em)
-        edge = em.lo[d] + shift + s_em * math.floor(crop.where[d] * free_voxels)
+        edge = em.box_min[d] + shift + s_em * math.floor(crop.where[d] * free_voxels)
         shape.append(n)
         translation.append(float(edge + v / 2))
     return Grid(tuple(shape), crop.voxel_nm, tuple(translation))
@@ -1167,7 +1052,7 @@ def _write_crop(path: Path, crop_name: str, grid: Grid, labels: dict[str, list[n
             grid.scale,
             grid.translation,
             chunks=(128, 128, 128),
-            extra_attrs=cellmap_annotation_attrs(class_name, levels[0]),
+            extra_attrs=annotation_attrs(class_name, levels[0]),
         )
 
 
@@ -1192,7 +1077,7 @@ def _write_dataset(
     number of crops. Writing runs in the background while the next part is rendered."""
     path = root / spec.name / f"{spec.name}.zarr"
     em_grid = _em_grid(spec, scale)
-    scene = make_scene(np.random.default_rng([seed, index, 0]), em_grid.lo, em_grid.hi)
+    scene = make_scene(np.random.default_rng([seed, index, 0]), em_grid.box_min, em_grid.box_max)
 
     atoms = render_atoms(scene, em_grid)
     em = render_em(atoms, em_grid.scale, np.random.default_rng([seed, index, 1]))
@@ -1260,11 +1145,10 @@ def generate_demo_data(root: str | os.PathLike, seed: int = 0, scale: float = 1.
     return [spec.name for spec in DEMO_DATASETS]
 
 
-def _scale_and_translation(group: zarr.Group, level: int = 0) -> tuple[list[float], list[float]]:
-    """Voxel size and voxel-0 centre (nm) of one level of an OME-NGFF multiscale group."""
-    transforms = group.attrs["multiscales"][0]["datasets"][level]["coordinateTransformations"]
-    by_type = {t["type"]: t for t in transforms}
-    return by_type["scale"]["scale"], by_type["translation"]["translation"]
+def _scale_and_translation(group_path: Path) -> tuple[list[float], list[float]]:
+    """Voxel size and voxel-0 centre (nm) of level s0 of an OME-NGFF multiscale group."""
+    s0 = read_multiscales(group_path)[0]
+    return list(s0.scale), list(s0.translation)
 
 
 def summarize_demo_data(root: str | os.PathLike) -> str:
@@ -1276,7 +1160,7 @@ def summarize_demo_data(root: str | os.PathLike) -> str:
             continue
         store = zarr.open_group(str(path), mode="r")
         em_group = store[EM_PATH]
-        scale, translation = _scale_and_translation(em_group)
+        scale, translation = _scale_and_translation(path / EM_PATH)
         levels = sorted(em_group.array_keys())
         lines.append(
             f"{spec.name}: EM {em_group['s0'].shape} voxels of {scale} nm at {translation} nm, levels {levels}"
@@ -1284,7 +1168,8 @@ def summarize_demo_data(root: str | os.PathLike) -> str:
         for crop_name, crop in sorted(store[GROUNDTRUTH_PATH].groups(), key=lambda kv: int(kv[0][4:])):
             classes = sorted(crop.group_keys(), key=DEMO_CLASSES.index)
             first = crop[classes[0]]
-            crop_scale, crop_translation = _scale_and_translation(first)
+            crop_scale, crop_translation = _scale_and_translation(
+                path / GROUNDTRUTH_PATH / crop_name / classes[0])
             unknown = first.attrs["cellmap"]["annotation"]["complement_counts"]["unknown"]
             what = "all classes" if len(classes) == len(DEMO_CLASSES) else ", ".join(classes)
             lines.append(
@@ -1321,9 +1206,10 @@ def preview_png(root: str | os.PathLike, out_png: str | os.PathLike) -> None:
 
     rows = []
     for ds_dir in sorted(p for p in Path(root).iterdir() if (p / f"{p.name}.zarr").exists()):
-        store = zarr.open_group(str(ds_dir / f"{ds_dir.name}.zarr"), mode="r")
+        store_path = ds_dir / f"{ds_dir.name}.zarr"
+        store = zarr.open_group(str(store_path), mode="r")
         em_group = store[EM_PATH]
-        em_scale, em_trans = map(np.array, _scale_and_translation(em_group))
+        em_scale, em_trans = map(np.array, _scale_and_translation(store_path / EM_PATH))
         em = em_group["s0"]
         iz = em.shape[0] // 2
         em_slice = np.asarray(em[iz])
@@ -1334,7 +1220,8 @@ def preview_png(root: str | os.PathLike, out_png: str | os.PathLike) -> None:
             # All classes of a crop share one grid: find the label voxel nearest to each
             # EM pixel of this slice.
             classes = dict(crop.groups())
-            scale, trans = map(np.array, _scale_and_translation(next(iter(classes.values()))))
+            first = store_path / GROUNDTRUTH_PATH / crop_name / next(iter(classes))
+            scale, trans = map(np.array, _scale_and_translation(first))
             shape = next(iter(classes.values()))["s0"].shape
             idx = [np.floor((world[d] - (trans[d] - scale[d] / 2)) / scale[d]).astype(int) for d in range(3)]
             cz = int(idx[0][iz])
@@ -1347,11 +1234,12 @@ def preview_png(root: str | os.PathLike, out_png: str | os.PathLike) -> None:
             for class_name, colour in _OVERLAY:
                 if class_name in classes:
                     plane = np.asarray(classes[class_name]["s0"][cz])[np.ix_(idx[1][ys], idx[2][xs])]
-                    view[plane == PRESENT] = 0.5 * view[plane == PRESENT] + 0.5 * np.array(colour, np.float32)
-                    unknown = plane == UNKNOWN
+                    present, valid = label_to_target(plane)
+                    view[present] = 0.5 * view[present] + 0.5 * np.array(colour, np.float32)
+                    unknown = ~valid
             if unknown is None:  # a crop with none of the coloured classes (e.g. only "cell")
                 any_class = next(iter(classes.values()))["s0"]
-                unknown = np.asarray(any_class[cz])[np.ix_(idx[1][ys], idx[2][xs])] == UNKNOWN
+                unknown = ~label_to_target(np.asarray(any_class[cz])[np.ix_(idx[1][ys], idx[2][xs])])[1]
             view[unknown] = 0.4 * view[unknown] + 0.6 * 128
             outlines.append((xs[0], ys[0], xs[-1], ys[-1], crop_name))
         left = Image.fromarray(em_slice).convert("RGB")

@@ -9,45 +9,30 @@ For each requested class of a crop:
    wherever one of them is present: then the union is present whatever the others say);
 3. otherwise the class is invalid everywhere (it counts neither in the loss nor in metrics).
 
-A group stores 0 (absent), 1 (present) and 255 (unknown), or, for instance classes, object ids;
-the values come from the group's ``cellmap`` encoding attribute. Anything that is neither
-absent nor unknown counts as present, so an instance group gives its binary mask. The ids
-themselves are read by :func:`read_instance_ids` for instance evaluation.
+What a stored value means (absent, present, unknown, instance id) is decided by
+:func:`torchtitan.cellmap.labels.label_to_target` alone: an instance group gives its binary
+mask. The ids themselves are read by :func:`read_instance_ids` for instance evaluation.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from torchtitan.datasets.cellmap import UNKNOWN, LabelCrop, ScaleLevel, closest_level, read_nearest
-from torchtitan.datasets.classes import atoms
-
-
-def label_level(levels: list[ScaleLevel], voxel_size) -> ScaleLevel:
-    """The coarsest level still at least as fine as the grid (nearest sampling from it loses
-    no detail), or the closest level when every level is coarser."""
-    v = np.asarray(voxel_size, dtype=float)
-    finer = [lv for lv in levels if np.all(np.asarray(lv.scale) <= v + 1e-6)]
-    if finer:
-        return max(finer, key=lambda lv: float(np.prod(lv.scale)))
-    return levels[closest_level(levels, v)]
-
-
-def _encoding(crop: LabelCrop, group: str) -> tuple[int, int]:
-    enc = crop.encoding.get(group, {})
-    return int(enc.get("absent", 0)), int(enc.get("unknown", UNKNOWN))
+from torchtitan.cellmap.classes import atoms
+from torchtitan.cellmap.grids import label_level
+from torchtitan.cellmap.labels import label_to_ids, label_to_target
+from torchtitan.datasets.cellmap import LabelCrop, read_nearest
 
 
 def unknown_value(crop: LabelCrop, group: str) -> int:
     """The value that marks unknown voxels in ``group`` (also what reads outside the crop)."""
-    return _encoding(crop, group)[1]
+    return crop.encoding_of(group).unknown
 
 
 def read_raw(crop: LabelCrop, group: str, origin, voxel_size, shape) -> np.ndarray:
     """Stored values of one class group on the grid; outside the crop they read as unknown."""
-    _, unknown = _encoding(crop, group)
     level = label_level(crop.classes[group], voxel_size)
-    return read_nearest(level, origin, voxel_size, shape, fill=unknown)
+    return read_nearest(level, origin, voxel_size, shape, fill=unknown_value(crop, group))
 
 
 def target_groups(crop: LabelCrop, cls: str) -> tuple[str, ...] | None:
@@ -101,20 +86,16 @@ def compose_targets(crop: LabelCrop, classes, raw: dict[str, np.ndarray],
             v[...] = False
             continue
         for i, g in enumerate(groups):
-            absent, unknown = _encoding(crop, g)
             # One copy first: numpy runs a ufunc in the output's order, and for a view whose
             # last axis is not contiguous (a 90 degree rotation through z) every comparison
             # would hop across the whole source.
             if g not in contiguous:
                 contiguous[g] = np.ascontiguousarray(raw[g])
-            r = contiguous[g]
             if i == 0:
-                np.not_equal(r, unknown, out=v)
-                np.not_equal(r, absent, out=t)
-                t &= v
+                label_to_target(contiguous[g], crop.encoding_of(g), out=(t, v))
                 continue
-            vg = r != unknown
-            t |= vg & (r != absent)
+            tg, vg = label_to_target(contiguous[g], crop.encoding_of(g))
+            t |= tg
             v &= vg
         if len(groups) > 1:  # present in one part: the union is present whatever the others say
             v |= t
@@ -135,8 +116,4 @@ def read_instance_ids(crop: LabelCrop, cls: str, origin, voxel_size, shape) -> n
     gives 0/1, which ``evaluation.label_instances`` splits into connected components."""
     if cls not in crop.classes:
         return None
-    absent, unknown = _encoding(crop, cls)
-    raw = read_raw(crop, cls, origin, voxel_size, shape)
-    ids = raw.astype(np.int64)
-    ids[(raw == absent) | (raw == unknown)] = 0
-    return ids
+    return label_to_ids(read_raw(crop, cls, origin, voxel_size, shape), crop.encoding_of(cls))

@@ -4,7 +4,7 @@ The table follows the CellMap segmentation challenge's class list (its ``classes
 class has an id; a *composite* class is the union of *atomic* classes ("ids included"), e.g.
 ``mito = mito_mem + mito_lum + mito_ribo`` and ``cell`` = everything inside the plasma
 membrane, the membrane included. A crop may annotate a composite class directly (its own
-group) or only its parts; ``targets.py`` composes the target from the parts in that case.
+group) or only its parts; ``datasets/targets.py`` composes the target from the parts then.
 
 Names not in the table are fine for one's own data as long as some crop annotates them;
 :func:`check_class_names` only rejects names that are neither (with a "did you mean").
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 
-from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.cellmap.errors import DatasetError
 
 # (class id, name, long name, atomic parts by id; empty = atomic)
 _TABLE: tuple[tuple[int, str, str, tuple[int, ...]], ...] = (
@@ -109,9 +109,8 @@ CLASS_PARTS: dict[str, tuple[str, ...]] = {
     name: tuple(_NAME_OF_ID[i] for i in parts) for _, name, _, parts in _TABLE if parts
 }
 
-# The challenge's instance classes (scored per object); others are scored semantically. Kept
-# equal to ``evaluation.INSTANCE_CLASSES`` (a test checks it). The challenge also lists
-# ``vim``, which it does not score.
+# The challenge's instance classes (scored per object); others are scored semantically. The
+# challenge also lists ``vim``, which it does not score.
 INSTANCE_CLASSES: tuple[str, ...] = (
     "nuc", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell",
 )
