@@ -40,7 +40,7 @@ from torchtitan.convert import (
     seed_checkpoint_dir,
 )
 from torchtitan.models import list_backbones
-from torchtitan.errors import USER_ERROR_EXIT, UserError, print_user_error
+from torchtitan.errors import USER_ERROR_EXIT, run_cli
 
 DEFAULT_BACKBONE = "dinov3_vitl16"  # of a --pth file
 
@@ -241,14 +241,6 @@ def main(argv=None) -> int:
     return convert_one(args, head)
 
 
-def cli(argv=None) -> int:
-    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
-    argument) is one message without a traceback, exit status 2."""
-    try:
-        return main(argv) or 0
-    except UserError as e:
-        return print_user_error(e)
-
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

@@ -28,14 +28,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from torchtitan.inference import blending_weights, grid_starts, predict_volume  # noqa: E402
+from torchtitan.inference import blending_weights, grid_starts, predict_volume
 
 NUM_CLASSES = 4
 CASES = {  # name: (volume D,H,W, model window, window in 3D)

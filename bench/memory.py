@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _local_bytes(t) -> int:
@@ -82,7 +81,7 @@ def worker(mode: str, backbone: str, out: str) -> None:
 def run(mode: str, backbone: str, nproc: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node", str(nproc), __file__, "--worker", mode,
                         "--backbone", backbone, "--out", str(out)],

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import statistics
 import subprocess
@@ -99,10 +98,9 @@ def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path) -> floa
         entry = [str(REPO / "train_segmentation.py")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(nproc), *entry, "--job.config_file", config, *extra, *argv]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        result = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        result = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     if result.returncode != 0:
         raise SystemExit(f"{name} failed (exit {result.returncode}); see {log}")
     return time.perf_counter() - t0

@@ -21,7 +21,6 @@ checkpoints and validates, as every run's last step does).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -154,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data.exists() and not args.dry_run:
         subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
                         str(args.data)], check=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     selected = [p for p in shipped_configs() if not args.only or p.stem in args.only]
     print(f"{len(selected)} shipped configs, {nproc} processes "
           f"({'NCCL' if gpus else 'gloo'}), backbone {backbone}, {args.steps} steps; "
@@ -170,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+            result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                                     timeout=args.timeout)
             ok, tail = result.returncode == 0, (result.stdout + result.stderr)[-3000:]
         except subprocess.TimeoutExpired:

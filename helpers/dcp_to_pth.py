@@ -13,16 +13,10 @@ under a temporary name and renamed when complete.
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-# Make the repository importable when the script is run as `python helpers/dcp_to_pth.py`.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from torchtitan.convert import (  # noqa: E402
+from torchtitan.convert import (
     ConversionError,
     cast_weights,
     read_model_weights,
@@ -30,7 +24,7 @@ from torchtitan.convert import (  # noqa: E402
     save_pth,
     select_weights,
 )
-from torchtitan.errors import USER_ERROR_EXIT, UserError, print_user_error  # noqa: E402
+from torchtitan.errors import USER_ERROR_EXIT, run_cli
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -62,14 +56,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli(argv=None) -> int:
-    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
-    argument) is one message without a traceback, exit status 2."""
-    try:
-        return main(argv) or 0
-    except UserError as e:
-        return print_user_error(e)
-
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

@@ -12,18 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-# Make the repository importable when the script is run as `python helpers/make_demo_data.py`.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from torchtitan.datasets.demo_data import (  # noqa: E402
+from torchtitan.datasets.demo_data import (
     demo_data_complete,
     generate_demo_data,
     preview_png,
     summarize_demo_data,
 )
-from torchtitan.errors import UserError, print_user_error  # noqa: E402
+from torchtitan.errors import run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,14 +48,6 @@ def main(argv=None) -> None:
         print(f"Saved preview to {args.preview}")
 
 
-def cli(argv=None) -> int:
-    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
-    argument) is one message without a traceback, exit status 2."""
-    try:
-        return main(argv) or 0
-    except UserError as e:
-        return print_user_error(e)
-
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

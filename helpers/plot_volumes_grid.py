@@ -15,12 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# Make the repository importable when the script is run as `python helpers/<script>.py`.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from helpers.plot_volumes_single import (  # noqa: E402
+from helpers.plot_volumes_single import (
     all_crops,
     canonical_order,
     find_crop,
@@ -29,9 +24,9 @@ from helpers.plot_volumes_single import (  # noqa: E402
     parse_voxel_size,
     read_crop_volume,
 )
-from torchtitan.visualization import grid_frames, save_gif  # noqa: E402
-from torchtitan.datasets.cellmap import DatasetError  # noqa: E402
-from torchtitan.errors import UserError, print_user_error  # noqa: E402
+from torchtitan.visualization import grid_frames, save_gif
+from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.errors import run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,14 +73,6 @@ def main(argv=None) -> None:
         print(f"wrote {args.png}")
 
 
-def cli(argv=None) -> int:
-    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
-    argument) is one message without a traceback, exit status 2."""
-    try:
-        return main(argv) or 0
-    except UserError as e:
-        return print_user_error(e)
-
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Create (once) the project's virtual environment in .venv from requirements.txt, then put
-# it on PATH and the repository on PYTHONPATH.
+# Create (once) the project's virtual environment in .venv from requirements.txt, install the
+# project into it (editable: `pip install -e .`, so `import torchtitan` works from anywhere and
+# edits take effect at once), then put the venv on PATH.
 #
 #   source helpers/setup_env.sh                      # python3 must be Python >= 3.11
 #   PYTHON=python3.11 source helpers/setup_env.sh    # choose the interpreter for the venv
 #   VENV=/elsewhere/venv source helpers/setup_env.sh # another venv folder
 #
 # Sourced by run_demo.sh, run_tests.sh and by users in their own shell; re-installs only when
-# requirements.txt changes. It leaves the options of the shell that sources it as they were
-# (no `set -e` left behind in an interactive shell): the checks and the install run in a
-# subshell, and only PATH and PYTHONPATH are exported. When Python is too old or the install
-# fails it prints why and returns non-zero, exporting nothing.
+# requirements.txt or pyproject.toml changes (or the venv is used by another checkout). It
+# leaves the options of the shell that sources it as they were (no `set -e` left behind in an
+# interactive shell): the checks and the install run in a subshell, and only PATH is exported.
+# When Python is too old or the install fails it prints why and returns non-zero, exporting
+# nothing.
 #
 # Everything below must work under the caller's options, whatever they are (e.g. `set -u`).
 
@@ -23,9 +25,14 @@ _em_setup_venv="${VENV:-$_em_setup_root/.venv}"
   PYTHON="${PYTHON:-python3}"
   fail() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
-  stamp="$VENV/.requirements.sha256"
-  want="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)" && [ -n "$want" ] \
-    || fail "cannot read $ROOT/requirements.txt"
+  # The stamp: the hash of this checkout's path (the editable install points at it) and of
+  # requirements.txt and pyproject.toml; a change to any of them re-installs.
+  for f in requirements.txt pyproject.toml; do
+    [ -r "$ROOT/$f" ] || fail "cannot read $ROOT/$f"
+  done
+  stamp="$VENV/.setup.sha256"
+  want="$( { echo "$ROOT"; cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml"; } \
+           | sha256sum | cut -d' ' -f1)"
   if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0  # up to date
   fi
@@ -50,18 +57,23 @@ _em_setup_venv="${VENV:-$_em_setup_root/.venv}"
          "PYTHON=python3.11 source helpers/setup_env.sh (or PYTHON=python3.11 ./run_tests.sh)"
   fi
 
-  echo "setting up $VENV from requirements.txt with Python $version ($found) (once) ..."
+  echo "setting up $VENV from requirements.txt and pyproject.toml with Python $version ($found) (once) ..."
   "$PYTHON" -m venv "$VENV" || fail "'$PYTHON -m venv $VENV' failed"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt" \
     || fail "installing requirements.txt into $VENV failed (see pip's message above)"
+  # The project itself, editable; its dependencies are the ones just installed. (setuptools
+  # warns that folders named like the packages in the working directory come first: they are
+  # these very folders.)
+  PYTHONWARNINGS="ignore:Editable installation" \
+    "$VENV/bin/python" -m pip install --quiet --no-deps -e "$ROOT" \
+    || fail "installing the project (pip install -e $ROOT) into $VENV failed (see pip's message above)"
   echo "$want" > "$stamp" || fail "cannot write $stamp"
 )
 _em_setup_rc=$?
 
 if [ "$_em_setup_rc" -eq 0 ]; then
   export PATH="$_em_setup_venv/bin:$PATH"
-  export PYTHONPATH="$_em_setup_root${PYTHONPATH:+:$PYTHONPATH}"
 fi
 unset _em_setup_root _em_setup_venv
 # `return` when sourced, `exit` when run as a script; the status is expanded into the string

@@ -1,4 +1,9 @@
-"""Shared fixtures: a small demo dataset made once per test session, and a torchrun helper."""
+"""Shared fixtures: a small demo dataset made once per test session, and a torchrun helper.
+
+The tests import the project as installed (`pip install -e .`, which ./run_tests.sh does), and
+so do the scripts they start; pytest itself makes this file importable (`from conftest import
+...`), as it does for every rootdir-relative conftest.py.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 SHARED = REPO.parent / "shared"
 
@@ -27,9 +31,24 @@ def demo_data(tmp_path_factory) -> Path:
     return root
 
 
+def pytest_sessionstart(session) -> None:
+    """Stop at once, saying what to do, when this checkout is not the one installed in the
+    interpreter's environment: the scripts the tests start (python helpers/..., torchrun) would
+    otherwise fail one by one, or run another checkout's code."""
+    code = "import torchtitan, helpers, bench; print(torchtitan.__file__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(),
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    found = r.stdout.strip()
+    if r.returncode != 0 or Path(found) != REPO / "torchtitan" / "__init__.py":
+        where = f"it finds {found}" if r.returncode == 0 else r.stderr.strip().splitlines()[-1]
+        pytest.exit(f"this checkout ({REPO}) is not installed in the environment of "
+                    f"{sys.executable} ({where}). Run `pip install -e {REPO} --no-deps` "
+                    "there, or ./run_tests.sh, which sets up .venv and does it.",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 def _env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

@@ -2,8 +2,9 @@
 
 None of these tests installs anything or touches the repository's .venv: the "already set
 up" case uses a stand-in venv (a folder whose bin/python is this interpreter, stamped with
-requirements.txt's hash, which is all setup_env.sh looks at), and the failing cases use fake
-interpreters and a VENV path in a temporary folder.
+the hash of the checkout's path, requirements.txt and pyproject.toml, which is all
+setup_env.sh looks at), and the failing cases use fake interpreters and a VENV path in a
+temporary folder.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def ready_venv(tmp_path) -> Path:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
-    digest = hashlib.sha256((REPO / "requirements.txt").read_bytes()).hexdigest()
-    (venv / ".requirements.sha256").write_text(digest + "\n")
+    stamped = (f"{REPO}\n".encode() + (REPO / "requirements.txt").read_bytes()
+               + (REPO / "pyproject.toml").read_bytes())
+    (venv / ".setup.sha256").write_text(hashlib.sha256(stamped).hexdigest() + "\n")
     return venv
 
 
@@ -76,7 +78,7 @@ def test_sourcing_keeps_options_and_exports(ready_venv, options):
     assert "options unchanged" in out
     assert "rc=0" in out
     assert f"PATH={ready_venv}/bin:" in out
-    assert f"PYTHONPATH={REPO}:/some/where" in out
+    assert "PYTHONPATH=/some/where\n" in out  # the package is installed: no PYTHONPATH needed
     assert f"python={ready_venv}/bin/python" in out
     assert out.rstrip().endswith("0"), "setup_env.sh left its helper variables behind"
     assert "setting up" not in out  # up to date: nothing installed
@@ -111,7 +113,7 @@ def test_failed_install_returns_nonzero(tmp_path):
     r = _bash('source helpers/setup_env.sh; echo "rc=$?"', VENV=str(venv), PYTHON=str(fake))
     assert "rc=1" in r.stdout, r.stdout + r.stderr
     assert "-m venv" in r.stderr and "failed" in r.stderr
-    assert not (venv / ".requirements.sha256").exists()
+    assert not (venv / ".setup.sha256").exists()
 
 
 def test_missing_interpreter_is_named(tmp_path):
@@ -138,10 +140,38 @@ def test_package_refuses_old_python():
     """Importing torchtitan under Python < 3.11 exits with one clear line, no traceback."""
     code = "import sys; sys.version_info = (3, 10, 14, 'final', 0); import torchtitan"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       timeout=60, env=_env(PYTHONPATH=str(REPO)))
+                       timeout=60, env=_env())
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert "needs Python >= 3.11" in r.stderr and "Python 3.10" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# The installed package (pyproject.toml; setup_env.sh runs `pip install -e .`)
+# ---------------------------------------------------------------------------------------
+
+
+def test_package_is_importable_from_anywhere(tmp_path):
+    """The editable install, not the working directory or PYTHONPATH, finds our packages."""
+    code = ("import bench, helpers, torchtitan; "
+            "print(*(m.__file__ for m in (torchtitan, helpers, bench)), sep='\\n')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env=_env())
+    assert r.returncode == 0, ("the project is not installed in this interpreter's environment; "
+                               "run `pip install -e .` (or ./run_tests.sh, which does)\n" + r.stderr)
+    files = [Path(line) for line in r.stdout.split()]
+    assert [f.parent for f in files] == [REPO / "torchtitan", REPO / "helpers", REPO / "bench"]
+
+
+def test_nothing_edits_the_import_path():
+    """Scripts and tests import the installed packages; none of them edits the import path."""
+    needle = "sys." + "path"  # spelled apart so that this file does not match itself
+    sources = [*REPO.glob("*.py"), *(f for d in ("torchtitan", "helpers", "bench", "tests")
+                                      for f in (REPO / d).rglob("*.py"))]
+    assert len(sources) > 20
+    offenders = [f"{f.relative_to(REPO)}:{n}" for f in sources
+                 for n, line in enumerate(f.read_text().splitlines(), 1) if needle in line]
+    assert not offenders, offenders
 
 
 def test_package_init_parses_on_old_pythons():

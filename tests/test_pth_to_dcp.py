@@ -124,12 +124,9 @@ def _ok(result):
 
 def _dcp_to_pth(*args: str) -> int:
     """helpers/dcp_to_pth.py in this process (saves the interpreter start of a subprocess)."""
-    sys.path.insert(0, str(REPO / "helpers"))
-    try:
-        import dcp_to_pth
-    finally:
-        sys.path.remove(str(REPO / "helpers"))
-    return dcp_to_pth.main(list(args))
+    from helpers.dcp_to_pth import main
+
+    return main(list(args))
 
 
 @pytest.fixture(scope="module")

@@ -348,7 +348,6 @@ PLANS = {c: plan_command(c) for c in COMMANDS}
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

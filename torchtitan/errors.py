@@ -18,7 +18,7 @@ import sys
 
 from torchtitan.config_manager import UserError
 
-__all__ = ["USER_ERROR_EXIT", "UserError", "print_user_error", "redact_secrets"]
+__all__ = ["USER_ERROR_EXIT", "UserError", "print_user_error", "redact_secrets", "run_cli"]
 
 USER_ERROR_EXIT = 2
 
@@ -27,6 +27,15 @@ def print_user_error(error: BaseException) -> int:
     """Print ``error: <message>`` to stderr and return the exit status for it."""
     print(f"error: {error}", file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
+
+
+def run_cli(main, argv=None) -> int:
+    """Run a script's ``main(argv)`` for the command line: a :class:`UserError` (bad data,
+    config, checkpoint or argument) is one message without a traceback, exit status 2."""
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        return print_user_error(e)
 
 
 # Hugging Face access tokens look like hf_ followed by letters and digits.

@@ -12,8 +12,11 @@ Differences from the original, and why:
 * The masking noise (B, N) comes from the caller, so a sample's mask depends only on the
   sample (the trainer draws it from a generator keyed by the global sample index), not on how
   the batch is split across ranks.
-* An optional per-voxel ``valid`` mask (B, 1, *spatial) removes padding from the loss, and
-  ``loss_terms`` returns (sum, count) so a caller can average over the global batch.
+* ``forward`` returns (pred, mask), not the loss: the caller computes the loss, once, with
+  ``loss_terms`` / ``mae_loss_terms``. Under FSDP mixed precision the model's inputs are cast
+  to bf16 on the way in, and the loss wants the fp32 image as its target; computed outside, it
+  also returns (sum, count), so a caller can average over the global batch.
+* An optional per-voxel ``valid`` mask (B, 1, *spatial) removes padding from the loss.
 
 Attribute names are stable for checkpoints and parallelism: ``encoder`` (the backbone, whose
 ``encoder.*`` keys load into a segmentation model's ``backbone.*``) and ``decoder.blocks``.
@@ -112,16 +115,17 @@ def mae_loss_terms(
     valid: Tensor | None = None,
     norm_pix_loss: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(sum of squared errors, number of terms) over hidden patches and valid voxels.
+    """(sum of squared errors, number of terms) over hidden patches and valid voxels, in fp32.
 
-    imgs (B, C, *spatial); pred (B, N, patch_size**ndim * C); mask (B, N) with 1 = hidden;
-    valid (B, 1, *spatial), nonzero where a voxel is real data (not padding).
+    imgs (B, C, *spatial); pred (B, N, patch_size**ndim * C), in any float dtype (bf16 under
+    mixed precision); mask (B, N) with 1 = hidden; valid (B, 1, *spatial), nonzero where a
+    voxel is real data (not padding).
     """
     ndim = imgs.dim() - 2
     C = imgs.shape[1]
     B, N = mask.shape
-    target = patchify(imgs, patch_size, ndim).reshape(B, N, -1, C)
-    pred = pred.reshape(B, N, -1, C)
+    target = patchify(imgs.float(), patch_size, ndim).reshape(B, N, -1, C)
+    pred = pred.float().reshape(B, N, -1, C)
     if valid is None:
         weight = torch.ones_like(target[..., :1])
     else:
@@ -189,8 +193,9 @@ class MAEDecoder(nn.Module):
 class MaskedAutoencoder(nn.Module):
     """MAE with a ``DinoVisionTransformer`` encoder.
 
-    ``forward(imgs, mask_ratio, noise, valid=None) -> (loss, pred, mask)``: loss is the mean
-    over this call's hidden, valid values; use ``loss_terms`` for (sum, count).
+    ``forward(imgs, mask_ratio, noise) -> (pred, mask)``; then
+    ``loss_terms(imgs, pred, mask, valid=None) -> (sum, count)`` of the squared errors, whose
+    ratio is the mean over hidden, valid values.
     """
 
     def __init__(
@@ -247,16 +252,7 @@ class MaskedAutoencoder(nn.Module):
         """(sum, count) of squared errors over hidden patches and valid voxels."""
         return mae_loss_terms(imgs, pred, mask, self.patch_size, valid, self.norm_pix_loss)
 
-    def forward_loss(
-        self, imgs: Tensor, pred: Tensor, mask: Tensor, valid: Tensor | None = None
-    ) -> Tensor:
-        """Mean squared error over hidden patches and valid voxels of this batch."""
-        total, count = self.loss_terms(imgs, pred, mask, valid)
-        return total / count.clamp_min(1)
-
-    def forward(
-        self, imgs: Tensor, mask_ratio: float, noise: Tensor, valid: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, imgs: Tensor, mask_ratio: float, noise: Tensor) -> tuple[Tensor, Tensor]:
+        """Predictions for every patch (B, N, patch_dim) and the mask (B, N), 1 = hidden."""
         latent, mask, ids_restore, grid = self.forward_encoder(imgs, mask_ratio, noise)
-        pred = self.forward_decoder(latent, ids_restore, grid)
-        return self.forward_loss(imgs, pred, mask, valid), pred, mask
+        return self.forward_decoder(latent, ids_restore, grid), mask
