@@ -62,18 +62,16 @@ import pstats
 import shutil
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 # Process-tree CPU accounting, shared with the cellmap-data side (standard library only there).
-from cellmap_data_loader import _children, tree_cpu_seconds  # noqa: E402
+from bench.cellmap_data_loader import _children, tree_cpu_seconds
+
+REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------------
 # The benchmark store
@@ -95,7 +93,7 @@ def _compressor():
 
 
 def _write_multiscale(parent, path: str, levels, translation0, attrs: dict | None = None) -> None:
-    from torchtitan.datasets.demo_data import multiscales_attrs
+    from torchtitan.cellmap.ome_ngff import multiscales_attrs
 
     group_attrs = {"multiscales": multiscales_attrs(path.rsplit("/", 1)[-1], VOXEL_NM,
                                                     translation0, len(levels))}
@@ -114,9 +112,11 @@ def make_store(root: Path, seed: int = 0) -> None:
     """Write the benchmark store under ``root`` unless a complete one with this seed is there."""
     import zarr
 
+    from torchtitan.cellmap.grids import Grid
+    from torchtitan.cellmap.labels import annotation_attrs
     from torchtitan.datasets.demo_data import (
-        DEMO_CLASSES, EM_PATH, GROUNDTRUTH_PATH, Grid, atoms_to_class, cellmap_annotation_attrs,
-        downsample_mean, make_scene, render_atoms, render_em)
+        DEMO_CLASSES, EM_PATH, GROUNDTRUTH_PATH, atoms_to_class, downsample_mean, make_scene,
+        render_atoms, render_em)
 
     marker = root / ".bench_complete"
     want = {"version": STORE_VERSION, "seed": seed}
@@ -125,7 +125,7 @@ def make_store(root: Path, seed: int = 0) -> None:
     print(f"writing the benchmark store to {root} (once; about a minute) ...", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     grid = Grid(EM_SHAPE, VOXEL_NM, (0.0, 0.0, 0.0))
-    scene = make_scene(np.random.default_rng([seed, 0]), grid.lo, grid.hi)
+    scene = make_scene(np.random.default_rng([seed, 0]), grid.box_min, grid.box_max)
     atoms = render_atoms(scene, grid)
     em = render_em(atoms, grid.scale, np.random.default_rng([seed, 1]))
     store = zarr.open_group(str(root / DATASET / f"{DATASET}.zarr"), mode="w", zarr_format=2)
@@ -136,7 +136,7 @@ def make_store(root: Path, seed: int = 0) -> None:
         for cls in DEMO_CLASSES:
             labels = atoms_to_class(atoms[box], cls)
             _write_multiscale(store, f"{GROUNDTRUTH_PATH}/crop{k}/{cls}", [labels], translation,
-                              cellmap_annotation_attrs(cls, labels))
+                              annotation_attrs(cls, labels))
     marker.write_text(json.dumps(want))
 
 
@@ -276,7 +276,7 @@ def _index_box(level, origin_nm, shape) -> tuple[slice, ...]:
 def raw_draws(samples, crops, classes, n: int, seed: int, crop: int) -> list[list]:
     """Per sample: [(array path, index box), ...] for the EM and every class, at origins
     drawn like the training sampler: a crop uniformly, then a voxel origin inside it."""
-    from torchtitan.datasets.cellmap import closest_level
+    from torchtitan.cellmap.grids import closest_level
 
     rng = np.random.default_rng(seed)
     shape = (crop,) * 3
@@ -393,7 +393,7 @@ def run_memory(cfg, samples, args) -> None:
     sampler = threading.Thread(target=sample_memory, daemon=True)
     sampler.start()
     for batch in loader:
-        done[0] += int(batch["image"].shape[0])
+        done[0] += len(batch)
         del batch
         if time.perf_counter() - start >= args.duration:
             break
@@ -478,25 +478,27 @@ def run_profile(samples, n: int, draws) -> None:
 
 
 def device_share(samples, n: int) -> None:
-    """CPU time of what ``loader.batch_to_device`` still does to these samples (normalising
-    raw EM, rotation and zoom with ``resample_on=device``, intensity changes), one sample at a
-    time on one thread: the price of a CPU-only run; a GPU does it in next to no time."""
+    """CPU time of what is still done to these samples on the device (``Batch.to``:
+    normalising raw EM; ``augment_on_device``: rotation and zoom with ``resample_on=device``,
+    intensity changes), one sample (a batch of one) at a time on one thread: the price of a
+    CPU-only run; a GPU does it in next to no time."""
     import torch
 
-    from torchtitan.datasets.loader import batch_to_device
+    from torchtitan.datasets.augment import augment_on_device
+    from torchtitan.datasets.batch import collate
 
-    items = [samples[g] for g in range(1, n + 1)]
+    batches = [collate([samples[g]]) for g in range(1, n + 1)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        batch_to_device(items[0], "cpu")
+        augment_on_device(batches[0].to("cpu"))
         start = time.process_time()
-        for item in items:
-            batch_to_device(item, "cpu")
+        for batch in batches:
+            augment_on_device(batch.to("cpu"))
         spent = time.process_time() - start
     finally:
         torch.set_num_threads(threads)
-    print(f"left to the device (batch_to_device on this CPU, one thread): "
+    print(f"left to the device (Batch.to + augment_on_device on this CPU, one thread): "
           f"{spent / n * 1e3:.0f} ms/sample")
 
 

@@ -7,7 +7,7 @@
         --out data/demo_slices --push_to_hub my-user/em-slices --private
 
 Each label crop is read as training and validation read it from the zarr stores (the grid of
-``--voxel_size`` nm that covers it, ``crop_grid``, read by ``SegmentationSamples.read``: EM
+``--voxel_size`` nm that covers it, ``crop_grid``, read by ``samples.CropReader``: EM
 by linear, labels by nearest sampling, composite classes from their parts) and cut into its
 planes normal to each of ``--axes``. One row per slice:
 
@@ -36,24 +36,19 @@ import tempfile
 import time
 from pathlib import Path
 
-# Make the repository importable when the script is run as `python helpers/<script>.py`.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from helpers.plot_volumes_single import (  # noqa: E402
+from helpers.plot_volumes_single import (
     all_crops,
     find_crop,
     load_sources,
     parse_list,
     parse_voxel_size,
 )
-from torchtitan.datasets.cellmap import AXES, DatasetError  # noqa: E402
-from torchtitan.datasets.samples import SegmentationSamples, crop_grid  # noqa: E402
-from torchtitan.datasets.targets import annotates  # noqa: E402
-from torchtitan.errors import USER_ERROR_EXIT, UserError, print_user_error, redact_secrets  # noqa: E402
+from torchtitan.datasets.cellmap import AXES, DatasetError
+from torchtitan.datasets.samples import CropReader, crop_grid
+from torchtitan.datasets.targets import annotates
+from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
 
 NO_TOKEN_EXIT = 2
 
@@ -91,13 +86,11 @@ def _mask_image(mask: np.ndarray):
 
 
 def read_crop_slices(source, crop, classes: list[str], voxel_size) -> dict:
-    """A whole crop on its grid as training reads it (``crop_grid`` + ``SegmentationSamples.read``,
-    the reading validation uses): ``em`` (D, H, W) uint8, ``truth`` and ``valid`` (K, D, H, W)
+    """A whole crop on its grid as training reads it (``crop_grid`` + ``CropReader.read``, the
+    reading validation uses): ``em`` (D, H, W) uint8, ``truth`` and ``valid`` (K, D, H, W)
     bool, the grid's ``origin`` and ``shape``, and the ``annotated`` classes."""
-    samples = SegmentationSamples([source], [crop], classes, voxel_size, (1, 1, 1), seed=0,
-                                  augment=False)
     origin, shape = crop_grid(crop, voxel_size)
-    arrays = samples.read(crop, origin, shape)
+    arrays = CropReader([source], classes, voxel_size).read(crop, origin, shape)
     em = np.clip(np.rint((arrays["image"][0] + 1.0) * 127.5), 0, 255).astype(np.uint8)
     return {"em": em, "truth": arrays["target"] > 0, "valid": arrays["valid"] > 0,
             "origin": origin, "shape": shape,
@@ -265,14 +258,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli(argv=None) -> int:
-    """:func:`main` for the command line: a UserError (bad data, config, checkpoint or
-    argument) is one message without a traceback, exit status 2."""
-    try:
-        return main(argv) or 0
-    except UserError as e:
-        return print_user_error(e)
-
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

@@ -248,7 +248,7 @@ def test_array_handle_cache_is_bounded(tmp_path, monkeypatch):
 
 
 def test_class_name_neither_cellmap_nor_annotated(tmp_path):
-    pytest.importorskip("torchtitan.datasets.classes")
+    pytest.importorskip("torchtitan.cellmap.classes")
     write_store(tmp_path)
     with pytest.raises(DatasetError, match="'mitochondrion'"):
         load_segmentation_data(seg_cfg(tmp_path, "--data.classes", "mito,mitochondrion"))
@@ -368,7 +368,7 @@ def test_zarr_v3_store_reads_like_v2(tmp_path):
         samples.append([ds[g] for g in range(6)])
     for a, b in zip(*samples):
         for key in ("image", "target", "valid"):
-            assert torch.equal(a[key], b[key]), key
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
 
 
 @pytest.mark.distributed

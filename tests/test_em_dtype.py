@@ -62,7 +62,7 @@ def images(data: Path, *extra: str) -> list[np.ndarray]:
     samples = build_segmentation_samples(cfg, sources, train)
     out = []
     for i in SAMPLES:
-        img = samples[i]["image"].numpy()
+        img = samples[i].image.numpy()
         out.append(normalize_em(img) if img.dtype == np.uint8 else img)
     return out
 

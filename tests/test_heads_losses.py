@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.datasets.batch import Batch
 from torchtitan.models import SegmentationModel, build_backbone, build_loss, predict_probabilities
 from torchtitan.models.losses import LOSSES, masked_bce_loss, soft_dice_loss
 from torchtitan.models.segmentation import UpConvHead
@@ -334,8 +335,9 @@ def test_task_builds_model_and_loss_from_config(loss):
     assert model.head.proj.out_channels == 16
     target = (torch.rand(2, 2, 16, 16) > 0.5).to(torch.uint8)
     valid = torch.ones(2, 2, 16, 16, dtype=torch.uint8)
-    batch = {"image": torch.randn(2, 1, 16, 16), "target": target, "valid": valid}
+    batch = Batch(image=torch.randn(2, 1, 16, 16), target=target, valid=valid,
+                  index=torch.arange(2), resampled=torch.zeros(2, dtype=torch.int64))
     total, count = task.loss_terms(model, batch)
-    expected = build_loss(loss, torch.tensor([1.0, 2.0]))(model(batch["image"]).float(), target, valid)
+    expected = build_loss(loss, torch.tensor([1.0, 2.0]))(model(batch.image).float(), target, valid)
     torch.testing.assert_close(total, expected[0])
     assert count == expected[1] and count > 0

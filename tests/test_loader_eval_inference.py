@@ -52,8 +52,8 @@ def test_loader_batches_equal_with_and_without_workers_and_after_restart(demo_da
     it2 = iter(build_loader(ds, 4, 0, 1, start_step=2, num_workers=2))
     resumed = next(it2)
     for key in ("image", "target", "valid", "index"):
-        assert torch.equal(batches[2][key], resumed[key]), key
-    assert resumed["index"].tolist() == [8, 9, 10, 11]
+        assert torch.equal(getattr(batches[2], key), getattr(resumed, key)), key
+    assert resumed.index.tolist() == [8, 9, 10, 11]
 
 
 def test_validation_crops_are_disjoint_from_training(demo_data):

@@ -342,9 +342,6 @@ def test_corrupt_validation_crop_is_skipped_and_counted(demo_data, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason="open: after torchrun's restart the new workers' gloo connectFullMesh "
-                   "gets 'Connection refused' (stale peer address?); not diagnosed yet",
-                   strict=False)
 def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(demo_data, tmp_path, straight):
     """--max_restarts 1: torchrun restarts both workers, which resume from step-3; the records
     of steps 4.. logged before the kill are dropped and logged again once."""

@@ -17,13 +17,14 @@ import zarr
 
 from torchtitan.datasets.augment import AugmentParams
 from torchtitan.datasets.cellmap import DatasetError, discover
-from torchtitan.datasets.classes import (
+from torchtitan.cellmap.classes import (
     CLASS_PARTS,
     INSTANCE_CLASSES,
     atoms,
     check_class_names,
 )
-from torchtitan.datasets.loader import batch_to_device
+from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.batch import Batch, Sample, collate
 from torchtitan.datasets.samples import MAESamples, SegmentationSamples, samples_kwargs
 from torchtitan.datasets.targets import annotates, read_instance_ids, read_target, target_groups
 
@@ -86,7 +87,18 @@ def blocky_em(shape, block=6, seed=1) -> np.ndarray:
 
 def present(item) -> np.ndarray:
     """Per class: does the sample hold any valid foreground voxel?"""
-    return ((item["target"] * item["valid"]).flatten(1).amax(1) > 0).numpy()
+    return ((item.target * item.valid).flatten(1).amax(1) > 0).numpy()
+
+
+def inputs(sample: Sample) -> Batch:
+    """One sample as training sees it: a batch of one, moved (to the CPU here), then
+    augmented on the "device"."""
+    return augment_on_device(collate([sample]).to("cpu"))
+
+
+def same_sample(a: Sample, b: Sample) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+               for x, y in zip(vars(a).values(), vars(b).values()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,9 +111,7 @@ def test_class_table_and_name_check():
     assert {"ne_mem", "nucpl", "hchrom", "nucleo"} <= set(CLASS_PARTS["nuc"])
     assert "pm" in atoms("cell") and "ecs" not in atoms("cell") and "mito_lum" in atoms("cell")
     assert atoms("mito_mem") == {"mito_mem"}
-    from torchtitan.evaluation import INSTANCE_CLASSES as EVAL_INSTANCE
-
-    assert INSTANCE_CLASSES == EVAL_INSTANCE
+    assert "mito" in INSTANCE_CLASSES and "er" not in INSTANCE_CLASSES
     check_class_names(["mito", "er", "cell"])
     check_class_names(["my_class"], extra=["my_class"])
     with pytest.raises(DatasetError, match="'mitto'.*did you mean 'mito'"):
@@ -242,8 +252,7 @@ def test_foreground_index_is_small_and_picklable(rare):
     clone = pickle.loads(pickle.dumps(ds))
     assert not clone._fg_cache  # the cache does not travel to workers
     for a, g in zip(first, range(5)):
-        b = clone[g]
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert same_sample(a, clone[g])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,12 +279,11 @@ def _mismatch(item) -> float:
     """Fraction of valid voxels where the label disagrees with the EM's block value. Linear
     (EM) and nearest (labels) resampling disagree only near block corners, well below 1%;
     labels one voxel off the EM would disagree on several percent."""
-    from torchtitan.datasets.loader import batch_to_device
-
-    item = batch_to_device(item, "cpu")  # raw uint8 EM -> normalised, as training sees it
-    valid = item["valid"][0] > 0
+    if isinstance(item, Sample):
+        item = inputs(item)  # raw uint8 EM -> normalised, as training sees it
+    valid = item.valid[0, 0] > 0
     assert valid.float().mean() > 0.3
-    disagree = (item["image"][0] > EM_MIDPOINT) != (item["target"][0] > 0)
+    disagree = (item.image[0, 0] > EM_MIDPOINT) != (item.target[0, 0] > 0)
     return float(disagree[valid].float().mean())
 
 
@@ -302,10 +310,10 @@ def test_geometric_augmentations_move_em_and_labels_alike(em_labels, name, crop_
                                 augment=False, planes=planes)
     changed, mismatch = 0, []
     for g in range(12):
-        item = batch_to_device(ds[g], "cpu")  # rotation and zoom of EM happen here
-        assert item["image"].shape == (1, *crop_size) == item["target"].shape
+        item = inputs(ds[g])  # rotation and zoom of EM happen here
+        assert item.image.shape == (1, 1, *crop_size) == item.target.shape
         mismatch.append(_mismatch(item))
-        changed += not torch.equal(item["image"], batch_to_device(plain[g], "cpu")["image"])
+        changed += not torch.equal(item.image, inputs(plain[g]).image)
     assert np.mean(mismatch) <= tolerance and max(mismatch) <= 3 * tolerance + 0.01, mismatch
     assert changed >= 6  # the augmentation did something
 
@@ -342,10 +350,10 @@ def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path
         ds = SegmentationSamples([src], src.crops, ["mito"], vox, crop_size, seed=5,
                                  augmentation=aug, planes=planes)
         assert ds.device_geometry == (where == "device") and ds.em_uint8 == (where == "device")
-        made[where] = [batch_to_device(ds[g], "cpu") for g in range(8)]
+        made[where] = [inputs(ds[g]) for g in range(8)]
     for a, b in zip(made["workers"], made["device"]):
-        assert torch.equal(a["target"], b["target"]) and torch.equal(a["valid"], b["valid"])
-        torch.testing.assert_close(a["image"], b["image"], atol=1e-4, rtol=0)
+        assert torch.equal(a.target, b.target) and torch.equal(a.valid, b.valid)
+        torch.testing.assert_close(a.image, b.image, atol=1e-4, rtol=0)
 
 
 def test_intensity_augmentations_touch_em_only(em_labels):
@@ -359,13 +367,13 @@ def test_intensity_augmentations_touch_em_only(em_labels):
                             augmentation=both)
     for g in range(6):
         x, y = a[g], b[g]
-        assert torch.equal(x["target"], y["target"]) and torch.equal(x["valid"], y["valid"])
+        assert torch.equal(x.target, y.target) and torch.equal(x.valid, y.valid)
         # The changes are drawn with the sample and made on the device.
-        assert torch.equal(x["image"], y["image"]) and "intensity" in y and "intensity" not in x
-        x, y = batch_to_device(x, "cpu"), batch_to_device(y, "cpu")
-        assert "intensity" not in y and "noise_seed" not in y
-        assert torch.equal(x["target"], y["target"]) and torch.equal(x["valid"], y["valid"])
-        assert not torch.allclose(x["image"], y["image"], atol=1e-3)
+        assert torch.equal(x.image, y.image) and y.intensity is not None and x.intensity is None
+        x, y = inputs(x), inputs(y)
+        assert y.intensity is None and y.noise_seed is None
+        assert torch.equal(x.target, y.target) and torch.equal(x.valid, y.valid)
+        assert not torch.allclose(x.image, y.image, atol=1e-3)
 
 
 @pytest.mark.parametrize("spatial", [(5, 12, 10), (12, 10)])
@@ -408,7 +416,7 @@ def test_zyx_planes_cut_every_orientation(tmp_path):
                              augmentation=AugmentParams(flips=False), planes="zyx")
     flat = 0
     for g in range(60):
-        img = ds[g]["image"][0]
+        img = ds[g].image[0]
         if torch.all(img == img[0, 0]):
             flat += 1  # a y-x plane
         else:  # a z-x or z-y plane: varies along its first axis only
@@ -431,10 +439,10 @@ def test_samples_depend_only_on_seed_and_index(rare):
     order = [7, 3, 11, 3, 0]
     first = {g: a[g] for g in order}
     for g in reversed(order):  # another instance, another order: same samples
-        assert all(torch.equal(first[g][k], b[g][k]) for k in first[g])
-    assert not torch.equal(first[7]["image"], first[11]["image"])
+        assert same_sample(first[g], b[g])
+    assert not torch.equal(first[7].image, first[11].image)
     c = SegmentationSamples([src], src.crops, ["nuc", "ld"], (8, 8, 8), (16, 16), 5, **kwargs)
-    assert not torch.equal(first[7]["image"], c[7]["image"])
+    assert not torch.equal(first[7].image, c[7].image)
 
 
 def test_min_label_fraction_lets_samples_leave_the_crop(tmp_path):
@@ -449,15 +457,15 @@ def test_min_label_fraction_lets_samples_leave_the_crop(tmp_path):
     ds = SegmentationSamples([src], [crop1], ["mito"], (8, 8, 8), (24, 24), 0,
                              min_label_fraction=0.5)
     for g in range(40):
-        item = batch_to_device(ds[g], "cpu")
-        fractions.append(float(item["valid"].mean()))
-        assert torch.all(item["image"] > -0.1)  # EM context is real, not padding
+        item = inputs(ds[g])
+        fractions.append(float(item.valid.mean()))
+        assert torch.all(item.image > -0.1)  # EM context is real, not padding
     assert min(fractions) >= 0.5 - 1e-6 and sum(f < 1 for f in fractions) > 20
     full = SegmentationSamples([src], [crop1], ["mito"], (8, 8, 8), (24, 24), 0)
-    assert all(bool(full[g]["valid"].all()) for g in range(10))
+    assert all(bool(full[g].valid.all()) for g in range(10))
     # A crop narrower than the sample (16 < 24 rows): centred, as before.
     small = SegmentationSamples([src], [crop2], ["mito"], (8, 8, 8), (24, 24), 0, augment=False)
-    valid = small[0]["valid"][0]
+    valid = small[0].valid[0]
     assert valid[4:20].all() and not valid[:4].any() and not valid[20:].any()
 
 
@@ -474,13 +482,13 @@ def test_mae_foreground_threshold(tmp_path, rotate):
                     augmentation=aug)
 
     def fraction(item):
-        return float((batch_to_device(item, "cpu")["image"] > -0.99).float().mean())
+        return float((inputs(item).image > -0.99).float().mean())
 
     assert sum(fraction(plain[g]) < 0.9 for g in range(20)) > 8
     for g in range(20):
         item = fg[g]
-        assert fraction(item) >= 0.9 and item["noise"].shape == (4,)
-        assert torch.equal(item["image"], fg[g]["image"])
+        assert fraction(item) >= 0.9 and item.noise.shape == (4,)
+        assert torch.equal(item.image, fg[g].image)
 
 
 def _corrupt(path: Path) -> None:
@@ -497,18 +505,18 @@ def test_corrupt_chunk_is_replaced_and_counted(tmp_path, caplog, what):
     (src,) = discover(tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0)
     caplog.set_level(logging.WARNING)
-    resampled = [int(ds[g]["resampled"]) for g in range(40)]
+    resampled = [ds[g].resampled for g in range(40)]
     assert sum(r > 0 for r in resampled) >= 3
     assert str(bad.parent) in caplog.text and "replacement" in caplog.text
     hit = resampled.index(max(resampled))
-    assert torch.equal(ds[hit]["image"], ds[hit]["image"])  # still deterministic
+    assert torch.equal(ds[hit].image, ds[hit].image)  # still deterministic
     strict = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0,
                                  max_resample=0)
     with pytest.raises(DatasetError, match="failed to read"):
         strict[hit]
     mae = MAESamples([src], (8, 8, 8), (16, 16), seed=0, max_resample=3)
     if what == "em":
-        assert any(int(mae[g]["resampled"]) for g in range(40))
+        assert any(mae[g].resampled for g in range(40))
 
 
 def test_samples_kwargs_from_config():
@@ -562,8 +570,6 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim, rotate):
     """Grid-aligned EM ships as raw uint8 and masks as uint8; on the device they become
     exactly the float32 inputs of the float path (EM normalised on the host), rotated and
     zoomed or not."""
-    from torchtitan.datasets.loader import batch_to_device
-
     store = make_store(tmp_path, smooth_em((32, 64, 64)))
     write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (8, 8, 8))
     (src,) = discover(tmp_path)
@@ -579,15 +585,16 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim, rotate):
     assert fast.em_uint8
     for g in range(6):
         a, b = fast[g], slow[g]
-        assert a["image"].dtype == torch.uint8 and b["image"].dtype == torch.float32
-        assert a["target"].dtype == a["valid"].dtype == torch.uint8
-        a, b = batch_to_device(a, "cpu"), batch_to_device(b, "cpu")
+        assert a.image.dtype == torch.uint8 and b.image.dtype == torch.float32
+        assert a.target.dtype == a.valid.dtype == torch.uint8
+        a, b = inputs(a), inputs(b)
         for key in ("image", "target", "valid"):
-            assert a[key].dtype == torch.float32 and torch.equal(a[key], b[key]), key
+            x, y = getattr(a, key), getattr(b, key)
+            assert x.dtype == torch.float32 and torch.equal(x, y), key
     # An EM level off the grid: float EM.
     assert not SegmentationSamples([src], src.crops, ["mito"], (8, 8, 4), crop_size, seed=3).em_uint8
     mae = MAESamples([src], (8, 8, 8), crop_size, seed=3)
-    assert mae.em_uint8 and mae[0]["image"].dtype == torch.uint8 and mae[0]["valid"].dtype == torch.uint8
+    assert mae.em_uint8 and mae[0].image.dtype == torch.uint8 and mae[0].valid.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("ndim", [2, 3])

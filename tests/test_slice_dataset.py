@@ -32,6 +32,12 @@ from torchtitan.datasets.slices import (  # noqa: E402
 )
 from torchtitan.datasets.targets import annotates  # noqa: E402
 
+
+def _same(a, b) -> bool:
+    """Whether two samples are equal, field by field."""
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+               for x, y in zip(vars(a).values(), vars(b).values()))
+
 HELPER = str(REPO / "helpers" / "create_slice_dataset.py")
 SEG2D = "train_configs/debug_segmentation_2d.toml"
 MAE2D = "train_configs/debug_mae_2d.toml"
@@ -167,15 +173,14 @@ def test_slice_samples_follow_the_sample_contract(slices, extra):
         assert set(samples.index.row_axis[samples.train_rows]) == {"z", "x"}
     for g in (0, 1, 17, 12345):
         item = samples[g]
-        assert item["image"].shape == (1, 64, 64) and item["image"].dtype == torch.float32
-        assert item["target"].shape == item["valid"].shape == (2, 64, 64)
-        assert item["target"].dtype == item["valid"].dtype == torch.float32
-        assert item["index"].dtype == torch.int64 and int(item["index"]) == g
-        assert torch.all(item["target"] <= item["valid"])  # present only where annotated
+        assert item.image.shape == (1, 64, 64) and item.image.dtype == torch.float32
+        assert item.target.shape == item.valid.shape == (2, 64, 64)
+        assert item.target.dtype == item.valid.dtype == torch.float32
+        assert item.index == g
+        assert torch.all(item.target <= item.valid)  # present only where annotated
         again = samples[g]
-        for key in item:  # a sample depends on (seed, index) alone
-            assert torch.equal(item[key], again[key]), key
-    assert not torch.equal(samples[0]["image"], samples[1]["image"])
+        assert _same(item, again)  # a sample depends on (seed, index) alone
+    assert not torch.equal(samples[0].image, samples[1].image)
 
 
 def test_a_slice_smaller_than_the_crop_is_centred_with_invalid_padding(slices):
@@ -187,11 +192,11 @@ def test_a_slice_smaller_than_the_crop_is_centred_with_invalid_padding(slices):
     samples = build_slice_samples(cfg, index, only)
     samples.augment = False
     item = samples[3]
-    valid = item["valid"]
+    valid = item.valid
     assert valid[:, :1].sum() == 0 and valid[:, -1:].sum() == 0
     assert valid[:, :, :1].sum() == 0 and valid[:, :, -1:].sum() == 0
     assert valid[:, 1:-1, 1:-1].sum() > 0
-    assert torch.all(item["image"][:, 0] == -1.0)  # padding reads as EM 0, as outside the volume
+    assert torch.all(item.image[:, 0] == -1.0)  # padding reads as EM 0, as outside the volume
 
 
 def test_validation_volumes_from_slices_equal_the_zarr_ones(slices, demo_data):
@@ -345,11 +350,10 @@ def test_original_schema_loads_and_validates_from_stacked_planes(original_slices
 
     for g in (0, 5, 77):
         item = samples[g]
-        assert item["image"].shape == (1, 64, 64) and item["target"].shape == (3, 64, 64)
-        assert torch.all(item["target"] <= item["valid"])
+        assert item.image.shape == (1, 64, 64) and item.target.shape == (3, 64, 64)
+        assert torch.all(item.target <= item.valid)
         again = samples[g]
-        for key in item:  # a sample depends on (seed, index) alone
-            assert torch.equal(item[key], again[key]), key
+        assert _same(item, again)  # a sample depends on (seed, index) alone
 
 
 def test_unknown_columns_are_a_clear_error(tmp_path_factory):
@@ -411,16 +415,15 @@ def test_mae_samples_from_slices(which, request, tmp_path_factory):
     samples = build_slice_mae_samples(cfg, data, num_patches=64)
     for g in (0, 3, 999):
         item = samples[g]
-        assert item["image"].shape == item["valid"].shape == (1, 64, 64)
-        assert item["noise"].shape == (64,) and int(item["index"]) == g
-        assert item["valid"].sum() > 0
+        assert item.image.shape == item.valid.shape == (1, 64, 64)
+        assert item.noise.shape == (64,) and item.index == g
+        assert item.valid.sum() > 0
         again = samples[g]
-        for key in item:  # a sample depends on (seed, index) alone
-            assert torch.equal(item[key], again[key]), key
-    assert not torch.equal(samples[0]["noise"], samples[1]["noise"])
+        assert _same(item, again)  # a sample depends on (seed, index) alone
+    assert not torch.equal(samples[0].noise, samples[1].noise)
     held_out = build_slice_mae_samples(cfg, data, seed_offset=1_000_003, num_patches=64,
                                        augment=False)
-    assert not torch.equal(held_out[0]["noise"], samples[0]["noise"])
+    assert not torch.equal(held_out[0].noise, samples[0].noise)
 
 
 @pytest.mark.distributed

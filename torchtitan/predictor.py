@@ -51,21 +51,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.cellmap.grids import closest_level
+from torchtitan.cellmap.ome_ngff import create_multiscale_group
 from torchtitan.checkpoint import CheckpointError, complete_steps, load_model_weights
 from torchtitan.config_manager import ConfigError, ConfigManager
 from torchtitan.datasets.cellmap import (
     DatasetError,
     EMSource,
-    closest_level,
     discover,
     em_to_uint8_scale,
     read_linear,
     set_em_ranges,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
-from torchtitan.evaluation import INSTANCE_CLASSES, label_instances
+from torchtitan.evaluation import label_instances
 from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
 from torchtitan.models import predict_probabilities, resolve_attention_backend, use_attention
+from torchtitan.parallelisms.process_group import init_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -272,20 +275,12 @@ def plan_regions(todo: list[Region], out: str, overwrite: bool) -> list[Region]:
 
 
 def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
-    """Create ``<region>/<class>`` with OME-NGFF metadata and an empty ``s0``."""
-    group = root.require_group(f"{region.name}/{cls}")
+    """Create ``<region>/<class>`` with OME-NGFF metadata (plus the submission format's plain
+    ``voxel_size`` and ``translation``) and an empty ``s0``."""
     translation = (region.origin + np.asarray(voxel_size) / 2).tolist()
-    group.attrs.update({
-        "multiscales": [{
-            "version": "0.4", "name": cls,
-            "axes": [{"name": a, "type": "space", "unit": "nanometer"} for a in "zyx"],
-            "datasets": [{"path": "s0", "coordinateTransformations": [
-                {"type": "scale", "scale": list(map(float, voxel_size))},
-                {"type": "translation", "translation": translation}]}],
-        }],
-        "voxel_size": list(map(float, voxel_size)),
-        "translation": translation,
-    })
+    submission = {"voxel_size": list(map(float, voxel_size)), "translation": translation}
+    group = create_multiscale_group(root, f"{region.name}/{cls}", voxel_size, translation, 1,
+                                    extra_attrs=submission)
     return group.create_array("s0", shape=region.shape, chunks=chunks, dtype=dtype,
                               fill_value=0, overwrite=True)
 
@@ -337,7 +332,7 @@ def predict_regions(args) -> list[str]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        init_process_group(device, cfg.comm.init_timeout_seconds)
     model = task.build_model()
     use_attention(model, resolve_attention_backend(cfg.model.attention, device))
     load_weights(model, args.checkpoint)

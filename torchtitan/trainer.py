@@ -39,7 +39,9 @@ from torchtitan.config_manager import (
     check_resume_compatible,
     save_launch_config,
 )
-from torchtitan.datasets.loader import batch_to_device, build_loader
+from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.batch import Batch
+from torchtitan.datasets.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
@@ -51,6 +53,7 @@ from torchtitan.parallelisms.parallelize import (
     parallelize,
     wrap_ddp,
 )
+from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.parallelisms.utils import clip_grad_norm_
 from torchtitan.preemption import (
     NONFINITE_EXIT_CODE,
@@ -61,6 +64,7 @@ from torchtitan.preemption import (
     requeue_marker,
     restarted_after_requeue,
 )
+from torchtitan.tasks.base import Task, ValidationContext
 
 logger = logging.getLogger("torchtitan")
 
@@ -131,9 +135,10 @@ def _all_reduce(t: torch.Tensor, mesh) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, task):
+    def __init__(self, cfg: JobConfig, task: Task):
         self.cfg = cfg
         self.task = task
+        self.requeue_reason: str | None = None  # set when a stop request ends the run
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.dims = ParallelDims(cfg.training.data_parallel_replicate_degree,
@@ -164,10 +169,7 @@ class Trainer:
             local_world = _env_int("LOCAL_WORLD_SIZE", 1)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         if self.world_size > 1:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend, timeout=timedelta(seconds=self.cfg.comm.init_timeout_seconds),
-                device_id=self.device if self.device.type == "cuda" else None)
+            init_process_group(self.device, self.cfg.comm.init_timeout_seconds)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_mesh = self.dims.dp_mesh(self.mesh)
         self.dp_rank = self.dims.dp_rank(self.mesh)
@@ -248,11 +250,9 @@ class Trainer:
 
     # -- loop -----------------------------------------------------------------------------------
 
-    def _to_device(self, batch: dict) -> dict:
-        return batch_to_device(batch, self.device)
-
-    def train_step(self, batch: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
-        """One optimizer step; returns (global mean loss, gradient norm) as device tensors
+    def train_step(self, batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+        """One optimizer step on this rank's ``batch`` (from the loader, on the host); returns
+        (global mean loss, gradient norm) as device tensors
         (read only at log steps), whether the update was skipped as non-finite, and whether
         the run must stop after this step.
 
@@ -263,6 +263,8 @@ class Trainer:
         Megatron does for skipped iterations: the schedule counts applied updates), the
         gradients are dropped; the data position advances, so the bad batch is not retried.
         """
+        # Two steps: model inputs on the device, then the augmentation drawn for the device.
+        batch = augment_on_device(batch.to(self.device))
         with self.autocast:
             loss_sum, count = self.task.loss_terms(self.model, batch)
         # Normalise by the GLOBAL count so that gradient averaging over data-parallel ranks
@@ -338,8 +340,15 @@ class Trainer:
         self.model.eval()
         module = self.model.module if isinstance(self.model, DistributedDataParallel) \
             else self.model
+        ctx = ValidationContext(
+            device=self.device, step=step, dp_rank=self.dp_rank, dp_degree=self.dims.dp_degree,
+            dp_group=self.dp_mesh.get_group() if self.dp_mesh is not None else None,
+            sharded=self.dims.fsdp_enabled,
+            writer=self.metrics.writer if self.rank == 0 else None,
+            # Ranks of one tensor-parallel group hold the same data: one of them writes.
+            writes_files=self.tp_rank == 0)
         with torch.no_grad(), self.autocast:
-            scores = self.task.validate(module, self)
+            scores = self.task.validate(module, ctx)
         self.model.train()
         scores["val/time_s"] = time.perf_counter() - t0
         self.metrics.log(step, scores)
@@ -365,13 +374,9 @@ class Trainer:
         scores: dict[str, float] = {}
         resampled_local = 0
         skipped_in_a_row = 0
-        self.requeue_reason = None
         for step in range(start + 1, total + 1):
             batch = next(data_iter)
-            resampled = batch.pop("resampled", None)
-            if resampled is not None:
-                resampled_local += int(resampled.sum())
-            batch = self._to_device(batch)
+            resampled_local += int(batch.resampled.sum())
             loss_t, norm_t, nonfinite, stop = self.train_step(batch, step)
             meter.tick()
             self.state.step = step
@@ -426,7 +431,7 @@ class Trainer:
     def _is_best(self, scores: dict[str, float], step: int) -> bool:
         """Whether this validation beats every earlier one (of this run, resumes included) on
         the task's best metric; if so it becomes the best, in the train state."""
-        metric = getattr(self.task, "best_metric", None)
+        metric = self.task.best_metric
         if metric is None or metric not in scores or not math.isfinite(scores[metric]):
             return False
         value = scores[metric] if self.task.best_higher else -scores[metric]
@@ -443,7 +448,7 @@ class Trainer:
         the best does not know it; ``best.json`` (written right after that validation) does,
         and is taken when it names a step up to the resumed one with a better score.
         """
-        metric = getattr(self.task, "best_metric", None)
+        metric = self.task.best_metric
         marker = self.checkpoint.folder / "best.json"
         if metric is not None and marker.is_file():
             record = json.loads(marker.read_text())
@@ -547,6 +552,6 @@ def run(task_cls, argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         trainer.close()
         return NONFINITE_EXIT_CODE
-    if getattr(trainer, "requeue_reason", None) is not None:
+    if trainer.requeue_reason is not None:
         return REQUEUE_EXIT_CODE
     return 0

@@ -22,12 +22,14 @@ labels' flips are left to the device: the sample carries the read box and one af
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import scipy.ndimage as ndi
 import torch
 import torch.nn.functional as F
+
+from torchtitan.datasets.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,7 @@ def _resample_separable(arr: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
 # flips, 90 degree rotations and transposes folded in. Labels are rotated and zoomed in the
 # workers (nearest neighbour, cheap) but not flipped: a 90 degree turn through z makes that
 # copy hop across memory, so they carry ``label_axes`` (:func:`axis_map`) instead.
-# ``loader.batch_to_device`` finishes both (:func:`apply_geometry`, :func:`apply_axis_map`).
+# :func:`augment_on_device` finishes both (:func:`apply_geometry`, :func:`apply_axis_map`).
 
 
 def max_read_shape(shape, vox, params: AugmentParams) -> tuple[int, ...]:
@@ -375,7 +377,7 @@ def apply_flips(arr: np.ndarray, plan: Plan) -> np.ndarray:
     return arr  # a strided view: whoever writes it out next makes the one copy
 
 
-# Intensity changes run on the device, on whole batches (``loader.batch_to_device``): on the
+# Intensity changes run on the device, on whole batches (:func:`augment_on_device`): on the
 # host they cost as much CPU as reading the sample (blur, noise and gamma of a 128^3 crop take
 # about 100 ms), on a GPU next to nothing. A sample carries what was drawn for it:
 # ``intensity`` = (gamma, contrast, noise_std, blur sigma in voxels along z, y, x; 0 for an
@@ -384,16 +386,16 @@ BLUR_TRUNCATE = 3.0  # Gaussian kernels reach this many sigmas
 
 
 def intensity_params(plan: Plan, params: AugmentParams, vox,
-                     rng: np.random.Generator) -> dict[str, torch.Tensor]:
-    """What :func:`apply_intensity` needs for one sample, drawn from its generator."""
+                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`apply_intensity` needs for one sample, drawn from its generator: the
+    sample's ``intensity`` row and ``noise_seed``."""
     vox = np.asarray(vox, dtype=float)
     sigma = np.zeros(3)
     if plan.blur > 0:
         sigma[3 - len(vox):] = plan.blur * vox.min() / vox  # the same physical width on every axis
     seed = int(rng.integers(2**62)) if params.noise_std > 0 else 0
     values = [plan.gamma, plan.contrast, params.noise_std, *sigma]
-    return {"intensity": torch.tensor(values, dtype=torch.float32),
-            "noise_seed": torch.tensor(seed, dtype=torch.int64)}
+    return torch.tensor(values, dtype=torch.float32), torch.tensor(seed, dtype=torch.int64)
 
 
 def _gaussian_kernel(sigma: float) -> np.ndarray:
@@ -452,3 +454,30 @@ def apply_intensity(image: torch.Tensor, intensity: torch.Tensor,
             x = x + noise_std * torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
         out.append(x)
     return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device step
+# ---------------------------------------------------------------------------------------------
+
+
+def augment_on_device(batch: Batch) -> Batch:
+    """Make the augmentation the loader workers drew for the device, on a batch already moved
+    there (:meth:`Batch.to`): rotation and zoom of EM (:func:`apply_geometry`) with the
+    matching flips of targets and validity (:func:`apply_axis_map`), then the intensity
+    changes (:func:`apply_intensity`). Returns the finished batch, without the plan; a batch
+    with nothing left to do is returned as it is. On the host either step costs as much CPU
+    as reading the sample, on a GPU next to nothing."""
+    if not batch.augments_on_device:
+        return batch
+    image, target, valid = batch.image, batch.target, batch.valid
+    if batch.geometry is not None:
+        n = batch.geometry.shape[-2]
+        image = apply_geometry(image, batch.geometry, tuple(valid.shape[-n:]))
+        valid = apply_axis_map(valid, batch.label_axes)
+        if target is not None:
+            target = apply_axis_map(target, batch.label_axes)
+    if batch.intensity is not None:
+        image = apply_intensity(image, batch.intensity, batch.noise_seed)
+    return replace(batch, image=image, target=target, valid=valid, geometry=None,
+                   label_axes=None, intensity=None, noise_seed=None)

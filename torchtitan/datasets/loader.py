@@ -4,6 +4,8 @@ The loader is a plain ``torch.utils.data.DataLoader`` over a dataset indexed by 
 index, driven by :class:`GlobalBatchSampler`, which hands each data-parallel rank its slice of
 every global batch. Its only state is the next step, so resuming is exact for any number of
 worker processes: restart the sampler at the checkpointed step and the same samples follow.
+Items are :class:`~torchtitan.datasets.batch.Sample` objects, collated into a
+:class:`~torchtitan.datasets.batch.Batch` (``batch.collate``).
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Sampler
 
 from torchtitan.datasets import cellmap
-from torchtitan.datasets.augment import apply_axis_map, apply_geometry, apply_intensity
+from torchtitan.datasets.batch import collate
 from torchtitan.datasets.cellmap import (
     DatasetError,
     EMSource,
@@ -25,7 +26,7 @@ from torchtitan.datasets.cellmap import (
     discover,
     set_em_ranges,
 )
-from torchtitan.datasets.classes import check_class_names
+from torchtitan.cellmap.classes import check_class_names
 from torchtitan.datasets.samples import MAESamples, SegmentationSamples, grid_shape, samples_kwargs
 from torchtitan.datasets.targets import annotates
 
@@ -61,9 +62,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:  # infinite; DataLoader only needs it for len(loader)
         return 2**62
 
-    def state_dict(self) -> dict:
-        return {"step": self.step, "global_batch": self.global_batch, "dp_degree": self.dp_degree}
-
 
 def _worker_init(worker_id: int) -> None:
     """Loader workers need no seeding (every sample owns its generator, keyed by its global
@@ -71,53 +69,16 @@ def _worker_init(worker_id: int) -> None:
     cellmap._ARRAY_CACHE.clear()
 
 
-def batch_to_device(batch: dict, device) -> dict:
-    """Move a batch (or a single sample) to ``device`` and make model inputs of it: raw uint8
-    EM is normalised there exactly as ``samples.normalize_em`` does on the host, uint8 masks
-    become float32. Shipping uint8 from the loader workers moves a quarter of the bytes.
-    Samples drawn with rotation or zoom are interpolated here (``augment.apply_geometry``),
-    and those drawn with intensity augmentation get it here (``augment.apply_intensity``):
-    on the host either costs as much CPU as reading the sample, on a GPU next to nothing."""
-    batch = dict(batch)
-    # What the workers drew for the device; each is batched (B, ...) or one sample's.
-    drawn = {k: batch.pop(k) for k in ("geometry", "label_axes", "intensity", "noise_seed")
-             if k in batch}
-    out = {}
-    for key, value in batch.items():
-        value = value.to(device, non_blocking=True)
-        if key == "image" and value.dtype == torch.uint8:
-            value = value.float().div_(127.5).sub_(1.0)
-        elif value.dtype in (torch.uint8, torch.bool):
-            value = value.float()
-        out[key] = value
-    single = any(drawn[k].dim() == d for k, d in (("geometry", 2), ("intensity", 1))
-                 if k in drawn)
-    if single:  # a single sample: made a batch of one here, and back at the end
-        out = {k: v[None] for k, v in out.items()}
-        drawn = {k: v[None] for k, v in drawn.items()}
-    if "geometry" in drawn:
-        n = drawn["geometry"].shape[-2]
-        out["image"] = apply_geometry(out["image"], drawn["geometry"],
-                                      tuple(out["valid"].shape[-n:]))
-        for key in ("target", "valid"):
-            if key in out:
-                out[key] = apply_axis_map(out[key], drawn["label_axes"])
-    if "intensity" in drawn:
-        out["image"] = apply_intensity(out["image"], drawn["intensity"], drawn["noise_seed"])
-    if single:
-        out = {k: v[0] for k, v in out.items()}
-    return out
-
-
 def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start_step: int,
                  num_workers: int, pin_memory: bool = False,
                  multiprocessing_context: str | None = None) -> DataLoader:
-    """A DataLoader that yields this rank's batches of steps ``start_step, start_step + 1, ...``.
+    """A DataLoader that yields this rank's :class:`~torchtitan.datasets.batch.Batch` of each
+    step ``start_step, start_step + 1, ...``.
 
     Samples depend only on their global index, so the loader can be rebuilt at any step and
     the batches do not depend on ``num_workers``. Workers are persistent and keep
-    ``prefetch_factor`` batches each in flight; ``pin_memory`` (set on CUDA) lets the copy to
-    the GPU overlap with compute. Workers start with the platform's default method (fork on
+    ``prefetch_factor`` batches each in flight; ``pin_memory`` (set on CUDA; ``Batch.pin_memory``)
+    lets the copy to the GPU overlap with compute. Workers start with the platform's default method (fork on
     Linux: 0.2 s, against 3-4 s for forkserver or spawn, which re-import torch); the dataset
     also pickles, for ``multiprocessing_context="spawn"``.
     """
@@ -126,6 +87,7 @@ def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start
     return DataLoader(
         dataset,
         batch_sampler=sampler,
+        collate_fn=collate,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=workers,

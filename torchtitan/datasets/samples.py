@@ -18,12 +18,15 @@ One sample is made in four steps:
    plan rotates or zooms, which is then resampled onto the sample grid.
 4. Flips, 90 degree rotations, transposes; then targets and validity (``targets.py``) from
    the moved label values. Intensity changes (EM only) are drawn here and made on the device
-   by ``loader.batch_to_device``; so are, with ``augmentation.resample_on`` "device", the
-   interpolation of rotated and zoomed EM and the flips of the labels (the item carries
+   by ``augment.augment_on_device``; so are, with ``augmentation.resample_on`` "device", the
+   interpolation of rotated and zoomed EM and the flips of the labels (the sample carries
    ``geometry`` and ``label_axes`` for that, see ``augment.py``).
 
+Items are :class:`~torchtitan.datasets.batch.Sample` objects, arrays (C, *spatial). While a
+sample is made its arrays travel as a :class:`Box` (numpy, on the host).
+
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
-``(seed, g, attempt)``; the item's ``resampled`` entry counts the replacements.
+``(seed, g, attempt)``; the sample's ``resampled`` field counts the replacements.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -51,18 +55,17 @@ from torchtitan.datasets.augment import (
     resample,
     resample_matrix,
 )
+from torchtitan.datasets.batch import Sample
 from torchtitan.datasets.cellmap import (
     ChunkReadError,
     DatasetError,
     EMSource,
     LabelCrop,
-    ScaleLevel,
-    closest_level,
     em_to_uint8_scale,
-    grid_origin_snapped,
     read_linear,
 )
-from torchtitan.datasets.classes import check_class_names
+from torchtitan.cellmap.classes import check_class_names
+from torchtitan.cellmap.grids import ScaleLevel, closest_level, grid_origin_snapped
 from torchtitan.datasets.targets import (
     annotates,
     compose_targets,
@@ -97,8 +100,8 @@ def sample_rng(seed: int, index: int, attempt: int = 0) -> np.random.Generator:
 
 def normalize_em(img: np.ndarray) -> np.ndarray:
     """uint8 intensities to roughly zero mean, unit range (float32, one pass).
-    :func:`torchtitan.datasets.loader.batch_to_device` does the same on the device for
-    samples shipped as uint8, bit for bit."""
+    :meth:`torchtitan.datasets.batch.Batch.to` does the same on the device for samples
+    shipped as uint8, bit for bit."""
     out = np.divide(img, np.float32(127.5), dtype=np.float32)
     out -= np.float32(1.0)
     return out
@@ -154,16 +157,93 @@ def foreground_fraction(image: np.ndarray) -> float:
     return float(np.mean(image > -1.0 + 0.5 / 127.5))
 
 
-def _to_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
     """uint8 arrays (raw EM, masks) stay uint8 (a quarter of the bytes to ship from loader
-    workers); everything else becomes float32."""
-    out = {}
-    for k, a in arrays.items():
-        if a.dtype == np.bool_:
-            a = a.view(np.uint8)
-        dtype = a.dtype if a.dtype in (np.uint8, np.int64) else np.float32
-        out[k] = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
-    return out
+    workers), int64 stays int64; everything else becomes float32."""
+    if a is None:
+        return None
+    if a.dtype == np.bool_:
+        a = a.view(np.uint8)
+    dtype = a.dtype if a.dtype in (np.uint8, np.int64) else np.float32
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+
+
+@dataclass
+class Box:
+    """The arrays of one box on the host while a sample is made, (C, *spatial) each.
+
+    ``image`` is EM (interpolated linearly when rotated or zoomed); everything else is moved
+    by nearest neighbour: ``valid`` (MAE: 1 inside the EM volume) and, for segmentation, the
+    stored label values of each label group in ``labels`` (by group name; turned into
+    ``target`` and ``valid`` once moved, see :meth:`CropReader.compose`). With EM left to
+    the device, ``geometry`` and ``label_axes`` say how to finish it (see ``augment.py``).
+    """
+
+    image: np.ndarray
+    valid: np.ndarray | None = None
+    target: np.ndarray | None = None
+    labels: dict[str, np.ndarray] = field(default_factory=dict)
+    geometry: np.ndarray | None = None
+    label_axes: np.ndarray | None = None
+
+    def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "Box":
+        """``fn`` applied to every array (EM, masks, label values)."""
+        return Box(fn(self.image), None if self.valid is None else fn(self.valid),
+                   None if self.target is None else fn(self.target),
+                   {g: fn(a) for g, a in self.labels.items()}, self.geometry, self.label_axes)
+
+
+def em_level(source: EMSource, voxel_size) -> ScaleLevel:
+    """The scale level of ``source`` that EM on the grid of ``voxel_size`` is read from."""
+    return source.levels[closest_level(source.levels, np.asarray(voxel_size, dtype=float))]
+
+
+def read_em(source: EMSource, voxel_size, origin, shape,
+            raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """EM of a box of the training grid and where it lies inside the volume: normalised
+    float32, or with ``raw`` the uint8 values (only exact when the grids coincide, see
+    ``_SampleDataset._ships_raw_em``)."""
+    level = em_level(source, voxel_size)
+    img, inside = read_linear(level, origin, np.asarray(voxel_size, dtype=float), shape)
+    img = em_to_uint8_scale(img, source, level.path, inside)
+    if raw:
+        if img.dtype != np.uint8:
+            img = np.clip(np.rint(img), 0, 255).astype(np.uint8)
+        return img, inside
+    return normalize_em(img), inside
+
+
+class CropReader:
+    """EM, targets and validity of boxes of the training grid in label crops: what a
+    segmentation sample reads, and what validation reads of a whole held-out crop (built
+    once by the task; no training dataset needed)."""
+
+    def __init__(self, sources: list[EMSource], classes: list[str], voxel_size):
+        self.by_name = {s.name: s for s in sources}
+        self.classes = list(classes)
+        self.voxel_size = np.asarray(voxel_size, dtype=float)
+
+    def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
+        """``image`` (1, *shape) (normalised float32, or uint8 with ``raw_em``), ``target``
+        and ``valid`` (K, *shape) (uint8 0/1) of one box of the training grid (3D arrays)."""
+        stored = self.read_stored(crop, groups_to_read(crop, self.classes), origin, shape, raw_em)
+        box = self.compose(crop, stored, stored.image.shape[1:])
+        return {"image": box.image, "target": box.target, "valid": box.valid}
+
+    def read_stored(self, crop: LabelCrop, groups: list[str], origin, shape,
+                    raw_em: bool) -> Box:
+        """EM and the stored values of every label group the classes need ((1, *shape) each;
+        outside the crop they read as the group's unknown value)."""
+        image, _ = read_em(self.by_name[crop.dataset], self.voxel_size, origin, shape, raw=raw_em)
+        labels = {g: read_raw(crop, g, origin, self.voxel_size, shape)[None] for g in groups}
+        return Box(image[None], labels=labels)
+
+    def compose(self, crop: LabelCrop, box: Box, shape) -> Box:
+        """The box with its label values replaced by the targets and validity of the classes
+        (spatial ``shape``)."""
+        raw = {g: a[0] for g, a in box.labels.items()}
+        target, valid = compose_targets(crop, self.classes, raw, shape)
+        return Box(box.image, valid, target, {}, box.geometry, box.label_axes)
 
 
 class _SampleDataset(Dataset):
@@ -216,20 +296,7 @@ class _SampleDataset(Dataset):
     # -- reading ----------------------------------------------------------------------------------
 
     def _em_level(self, source: EMSource) -> ScaleLevel:
-        return source.levels[closest_level(source.levels, self.voxel_size)]
-
-    def read_em(self, source: EMSource, origin, shape,
-                raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """EM of a box of the training grid: normalised float32, or with ``raw`` the uint8
-        values (only exact when the grids coincide, see ``_ships_raw_em``)."""
-        level = self._em_level(source)
-        img, inside = read_linear(level, origin, self.voxel_size, shape)
-        img = em_to_uint8_scale(img, source, level.path, inside)
-        if raw:
-            if img.dtype != np.uint8:
-                img = np.clip(np.rint(img), 0, 255).astype(np.uint8)
-            return img, inside
-        return normalize_em(img), inside
+        return em_level(source, self.voxel_size)
 
     # -- where ------------------------------------------------------------------------------------
 
@@ -251,19 +318,19 @@ class _SampleDataset(Dataset):
         return tuple(a for a in range(3) if self.ndim == 3 or a != normal)
 
     def _geometry(self, rng: np.random.Generator, level: ScaleLevel, origin, normal: int,
-                  reader: Callable[[np.ndarray, tuple], dict[str, np.ndarray]],
+                  reader: Callable[[np.ndarray, tuple], Box],
                   fills: dict[str, float] | None = None):
         """Draw the augmentation plan and read the box at ``origin`` with it applied.
 
-        ``reader(origin, shape)`` returns 3D arrays (C, D, H, W). Returns the arrays in the
-        sample's frame (C, *crop_size), possibly as strided views (flips and transposes are not
-        copied), the plan and the frame's voxel size.
+        ``reader(origin, shape)`` returns a :class:`Box` of 3D arrays (C, D, H, W). Returns
+        the box in the sample's frame (C, *crop_size), possibly as strided views (flips and
+        transposes are not copied), the plan and the frame's voxel size.
 
         With rotation or zoom on, a larger box is read around the sample. Every array but
         ``image`` is resampled here by nearest neighbour (positions outside the read box, which
-        is made large enough to have none, would read ``fills[key]``, default 0). ``image`` is
-        interpolated linearly here too, or, with ``device_geometry``, left as the read box in a
-        buffer of ``image_buffer_shape``, with ``geometry`` for
+        is made large enough to have none, would read ``fills[group]`` for label values, else
+        0). ``image`` is interpolated linearly here too, or, with ``device_geometry``, left as
+        the read box in a buffer of ``image_buffer_shape``, with ``geometry`` for
         :func:`augment.apply_geometry` to interpolate it on the device; the other arrays are
         then returned unflipped, with ``label_axes`` for :func:`augment.apply_axis_map`.
         """
@@ -279,8 +346,7 @@ class _SampleDataset(Dataset):
             return np.take(arr, 0, axis=1 + normal) if self.ndim == 2 else arr
 
         if not self.aug.resamples:
-            arrays = {k: to_frame(a) for k, a in reader(origin, box).items()}
-            return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
+            return reader(origin, box).map(lambda a: apply_flips(to_frame(a), plan)), plan, vox
         if matrix is None:  # a draw of exactly no rotation and no zoom
             matrix = np.eye(len(keep))
         big = np.asarray(box)
@@ -289,37 +355,46 @@ class _SampleDataset(Dataset):
         read_origin = grid_origin_snapped(level, self.voxel_size,
                                           centre - big * self.voxel_size / 2)
         shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
-        read = {k: to_frame(a) for k, a in reader(read_origin, tuple(int(b) for b in big)).items()}
-        image = read.pop("image")
+        read = reader(read_origin, tuple(int(b) for b in big)).map(to_frame)
+        image = read.image
+
+        def nearest(a: np.ndarray, fill: float) -> np.ndarray:
+            return resample(a, matrix, out_shape, shift[keep], order=0, cval=fill)
+
         # Every other array by nearest neighbour, here.
-        arrays = {k: resample(a, matrix, out_shape, shift[keep], order=0, cval=fills.get(k, 0))
-                  for k, a in read.items()}
+        moved = Box(image, None if read.valid is None else nearest(read.valid, 0),
+                    None if read.target is None else nearest(read.target, 0),
+                    {g: nearest(a, fills.get(g, 0)) for g, a in read.labels.items()})
         if self.host_geometry:
-            arrays["image"] = resample(image, matrix, out_shape, shift[keep], order=1, cval=-1.0)
-            return {k: apply_flips(a, plan) for k, a in arrays.items()}, plan, vox
+            moved.image = resample(image, matrix, out_shape, shift[keep], order=1, cval=-1.0)
+            return moved.map(lambda a: apply_flips(a, plan)), plan, vox
         # On the device (augment.apply_geometry), from a buffer of one shape for every sample
         # of the run.
         buffer = np.zeros((image.shape[0], *self.image_buffer_shape), dtype=image.dtype)
         buffer[(slice(None), *(slice(0, n) for n in image.shape[1:]))] = image
-        arrays["image"] = buffer
+        moved.image = buffer
         # The labels' flips, 90 degree turns and transposes are left to the device as well:
         # here a turn through z makes the copy of every label array hop across memory.
-        arrays["geometry"] = device_geometry(matrix, plan, out_shape, image.shape[1:], shift[keep])
-        arrays["label_axes"] = axis_map(plan, out_shape)
-        return arrays, plan, vox
+        moved.geometry = device_geometry(matrix, plan, out_shape, image.shape[1:], shift[keep])
+        moved.label_axes = axis_map(plan, out_shape)
+        return moved, plan, vox
 
-    def _finish(self, arrays: dict[str, np.ndarray], plan, vox, rng) -> dict[str, torch.Tensor]:
-        out = _to_tensors(arrays)
-        if self.aug.intensity:  # applied on the device by loader.batch_to_device
-            out.update(intensity_params(plan, self.aug, vox, rng))
-        return out
+    def _finish(self, box: Box, plan, vox, rng) -> Sample:
+        """The sample of a finished box; draws the intensity changes (made on the device by
+        ``augment.augment_on_device``)."""
+        sample = Sample(image=_tensor(box.image), valid=_tensor(box.valid),
+                        target=_tensor(box.target), geometry=_tensor(box.geometry),
+                        label_axes=_tensor(box.label_axes))
+        if self.aug.intensity:
+            sample.intensity, sample.noise_seed = intensity_params(plan, self.aug, vox, rng)
+        return sample
 
     # -- items ------------------------------------------------------------------------------------
 
-    def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    def _draw(self, rng: np.random.Generator) -> Sample:
         raise NotImplementedError
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> Sample:
         error: BaseException | None = None
         for attempt in range(self.max_resample + 1):
             try:
@@ -329,8 +404,7 @@ class _SampleDataset(Dataset):
                 logger.warning("sample %d, draw %d of %d: %s; drawing a replacement", index,
                                attempt + 1, self.max_resample + 1, e)
                 continue
-            out["index"] = torch.tensor(index, dtype=torch.int64)
-            out["resampled"] = torch.tensor(attempt, dtype=torch.int64)
+            out.index, out.resampled = int(index), attempt
             return out
         raise DatasetError(
             f"sample {index}: {self.max_resample + 1} draws in a row failed to read (raise "
@@ -341,14 +415,15 @@ class _SampleDataset(Dataset):
 class SegmentationSamples(_SampleDataset):
     """Random crops of EM with aligned binary targets and per-class validity masks.
 
-    Item ``g`` is a dict: ``image`` (1, *crop) (float32, or raw uint8 when ``em_uint8``),
-    ``target`` and ``valid`` (K, *crop) uint8, ``index`` (the global sample index) and
-    ``resampled`` (replacements after read errors); with intensity augmentation also
-    ``intensity`` and ``noise_seed`` (what was drawn for it). With rotation or zoom made on
-    the device (``device_geometry``), ``image`` is the box read around the sample, in a buffer
-    (1, *image_buffer_shape), ``target`` and ``valid`` are not yet flipped, and ``geometry``
-    and ``label_axes`` say how to finish both. ``loader.batch_to_device`` turns a batch into
-    float32 model inputs and makes what was left to the device.
+    Item ``g`` is a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop)
+    (float32, or raw uint8 when ``em_uint8``), ``target`` and ``valid`` (K, *crop) uint8,
+    ``index`` (the global sample index) and ``resampled`` (replacements after read errors);
+    with intensity augmentation also ``intensity`` and ``noise_seed`` (what was drawn for
+    it). With rotation or zoom made on the device (``device_geometry``), ``image`` is the box
+    read around the sample, in a buffer (1, *image_buffer_shape), ``target`` and ``valid``
+    are not yet flipped, and ``geometry`` and ``label_axes`` say how to finish both.
+    ``Batch.to`` makes a batch float32 model inputs and ``augment.augment_on_device`` makes
+    what was left to the device.
     """
 
     def __init__(
@@ -370,6 +445,7 @@ class SegmentationSamples(_SampleDataset):
         super().__init__(voxel_size, crop_size, seed, augment, augmentation, planes, max_resample)
         self.sources = sources
         self.by_name = {s.name: s for s in sources}
+        self.reader = CropReader(sources, classes, voxel_size)
         self.crops = crops
         self.classes = list(classes)
         self.min_label_fraction = float(min_label_fraction)
@@ -390,30 +466,8 @@ class SegmentationSamples(_SampleDataset):
         return state
 
     def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
-        """EM (normalised float32, or uint8 with ``raw_em``), targets and validity (uint8 0/1)
-        of one box of the training grid (3D arrays)."""
-        groups = groups_to_read(crop, self.classes)
-        return self._compose(crop, self._read_stored(crop, groups, origin, shape, raw_em))
-
-    def _read_stored(self, crop: LabelCrop, groups: list[str], origin, shape,
-                     raw_em: bool) -> dict[str, np.ndarray]:
-        """EM and the stored values of every label group the classes need (``label:<group>``,
-        (1, *shape) each; outside the crop they read as the group's unknown value)."""
-        source = self.by_name[crop.dataset]
-        image, _ = self.read_em(source, origin, shape, raw=raw_em)
-        arrays = {"image": image[None]}
-        for g in groups:
-            arrays[f"label:{g}"] = read_raw(crop, g, origin, self.voxel_size, shape)[None]
-        return arrays
-
-    def _compose(self, crop: LabelCrop, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Replace the ``label:<group>`` arrays by the targets and validity of the classes."""
-        raw = {k[6:]: a[0] for k, a in arrays.items() if k.startswith("label:")}
-        out = {k: a for k, a in arrays.items() if not k.startswith("label:")}
-        # An image still to be resampled on the device comes in a larger buffer.
-        shape = self.crop_size if "geometry" in arrays else arrays["image"].shape[1:]
-        out["target"], out["valid"] = compose_targets(crop, self.classes, raw, shape)
-        return out
+        """:meth:`CropReader.read` (what validation reads of a whole crop)."""
+        return self.reader.read(crop, origin, shape, raw_em)
 
     # -- where ------------------------------------------------------------------------------------
 
@@ -478,7 +532,7 @@ class SegmentationSamples(_SampleDataset):
 
     # -- items ------------------------------------------------------------------------------------
 
-    def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    def _draw(self, rng: np.random.Generator) -> Sample:
         normal = self._draw_normal(rng)
         box = self._box(normal)
         if self.class_balanced:
@@ -492,18 +546,21 @@ class SegmentationSamples(_SampleDataset):
         # afterwards: nearest-neighbour moves commute with that voxel-wise function, and the
         # targets are then written once, contiguously, from the moved (strided) values.
         groups = groups_to_read(crop, self.classes)
-        fills = {f"label:{g}": unknown_value(crop, g) for g in groups}
-        arrays, plan, vox = self._geometry(
+        fills = {g: unknown_value(crop, g) for g in groups}
+        box, plan, vox = self._geometry(
             rng, level, origin, normal,
-            lambda o, s: self._read_stored(crop, groups, o, s, self.em_uint8), fills)
-        return self._finish(self._compose(crop, arrays), plan, vox, rng)
+            lambda o, s: self.reader.read_stored(crop, groups, o, s, self.em_uint8), fills)
+        # An image still to be resampled on the device comes in a larger buffer.
+        shape = self.crop_size if box.geometry is not None else box.image.shape[1:]
+        return self._finish(self.reader.compose(crop, box, shape), plan, vox, rng)
 
 
 class MAESamples(_SampleDataset):
     """Random EM crops anywhere inside the EM volumes (no labels needed).
 
-    Item ``g``: ``image`` (1, *crop), ``valid`` (1, *crop) (0 where the crop leaves the
-    volume: padding, excluded from the loss), ``index``, ``resampled``, with intensity
+    Item ``g``, a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop), ``valid``
+    (1, *crop) (0 where the crop leaves the volume: padding, excluded from the loss),
+    ``index``, ``resampled``, with intensity
     augmentation ``intensity`` and ``noise_seed``, with rotation or zoom on the device
     ``geometry`` and ``label_axes`` (see :class:`SegmentationSamples`), and with
     ``num_patches`` > 0 the MAE masking ``noise`` (num_patches,), drawn from the sample's own
@@ -521,9 +578,9 @@ class MAESamples(_SampleDataset):
         self.foreground_threshold = float(foreground_threshold)
         self.em_uint8 = self._ships_raw_em(sources)
 
-    def _read(self, source: EMSource, origin, shape) -> dict[str, np.ndarray]:
-        image, inside = self.read_em(source, origin, shape, raw=self.em_uint8)
-        return {"image": image[None], "valid": inside[None].view(np.uint8)}
+    def _read(self, source: EMSource, origin, shape) -> Box:
+        image, inside = read_em(source, self.voxel_size, origin, shape, raw=self.em_uint8)
+        return Box(image[None], valid=inside[None].view(np.uint8))
 
     def _draw_once(self, rng: np.random.Generator):
         normal = self._draw_normal(rng)
@@ -534,18 +591,18 @@ class MAESamples(_SampleDataset):
         origin = grid_origin_snapped(level, self.voxel_size, lo + rng.random(3) * (hi - lo))
         return self._geometry(rng, level, origin, normal, lambda o, s: self._read(source, o, s))
 
-    def _foreground(self, arrays: dict[str, np.ndarray]) -> float:
+    def _foreground(self, box: Box) -> float:
         """Foreground fraction of a drawn sample's EM (nearest neighbour when the EM is still
         to be resampled on the device)."""
-        image = arrays["image"]
-        if "geometry" not in arrays:
+        image = box.image
+        if box.geometry is None:
             return foreground_fraction(image)
-        out_shape = arrays["valid"].shape[1:]
+        out_shape = box.valid.shape[1:]
         raw = image if image.dtype == np.uint8 else np.rint((image + 1) * 127.5)
-        return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8), arrays["geometry"],
+        return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8), box.geometry,
                                                    out_shape)))
 
-    def _draw(self, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    def _draw(self, rng: np.random.Generator) -> Sample:
         drawn = self._draw_once(rng)
         if self.foreground_threshold > 0:
             best, best_fraction = drawn, self._foreground(drawn[0])
@@ -559,7 +616,7 @@ class MAESamples(_SampleDataset):
             drawn = best
         out = self._finish(*drawn, rng)
         if self.num_patches:
-            out["noise"] = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
+            out.noise = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
         return out
 
 

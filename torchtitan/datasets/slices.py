@@ -39,9 +39,9 @@ losses carry over. Slices are drawn uniformly (``data.class_balanced`` is not su
 the planes ``data.planes`` allows.
 
 Validation needs no zarr either: the slices of a held-out crop along one axis are the planes
-of its whole grid, so stacking them gives back the volume that validation on the zarr
-stores reads (``crop_grid`` + ``SegmentationSamples.read``), and the held-out crops are
-predicted and scored the same way.
+of its whole grid, so stacking them (:class:`SliceReader`) gives back the volume that
+validation on the zarr stores reads (``crop_grid`` + ``samples.CropReader.read``), and the
+held-out crops are predicted and scored the same way.
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ from torchtitan.datasets.augment import (
     resample,
     resample_matrix,
 )
-from torchtitan.datasets.cellmap import AXES, DatasetError
+from torchtitan.datasets.batch import Sample
+from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.grids import AXES
 from torchtitan.errors import redact_secrets
-from torchtitan.datasets.classes import CLASS_IDS, atoms
+from torchtitan.cellmap.classes import CLASS_IDS, atoms
 from torchtitan.datasets.loader import split_crops
 from torchtitan.datasets.samples import (
     FOREGROUND_DRAWS,
@@ -433,9 +435,65 @@ def _cut(arrays: dict[str, np.ndarray], start, crop_size, plan, vox,
     return {k: apply_flips(a, plan) for k, a in out.items()}
 
 
-def _tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-            for k, a in arrays.items()}
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _sample(arrays: dict[str, np.ndarray], index: int, aug: AugmentParams, plan, vox,
+            rng: np.random.Generator) -> Sample:
+    """The :class:`Sample` of a cut window (float32 arrays); with intensity augmentation also
+    what was drawn for it (made on the device by ``augment.augment_on_device``)."""
+    target = arrays.get("target")
+    sample = Sample(image=_tensor(arrays["image"]), valid=_tensor(arrays["valid"]),
+                    target=None if target is None else _tensor(target), index=int(index))
+    if aug.intensity:
+        sample.intensity, sample.noise_seed = intensity_params(plan, aug, vox, rng)
+    return sample
+
+
+class SliceReader:
+    """EM, targets and validity of slices: rows decoded into arrays, and whole crops stacked
+    from their slices for validation (built once by the task; no training dataset needed)."""
+
+    def __init__(self, index: "SliceIndex", classes: list[str]):
+        self.index = index
+        self.classes = list(classes)
+        self.labels = (MaskColumns if index.schema == OURS else CellMapIdLabels)(self.classes)
+        # Decode only what a sample needs (a row of our schema holds every class it has).
+        self.columns = index.ds.select_columns(["image", *self.labels.columns])
+
+    def arrays(self, rows) -> dict[str, np.ndarray]:
+        """EM (N, 1, h, w) float32 (normalized) and targets / validity (N, K, h, w) bool."""
+        rows = [int(r) for r in rows]
+        batch = self.columns[rows]
+        images, targets, valids = [], [], []
+        for i, row in enumerate(rows):
+            image = _gray(batch["image"][i])
+            target, valid = self.labels(batch, i)
+            if target.shape[1:] != image.shape:
+                raise DatasetError(
+                    f"data.dataset_name: row {row} ({self.index.row_crop[row]}, "
+                    f"{self.index.row_axis[row]} {self.index.row_index[row]}) has a label of "
+                    f"{list(target.shape[1:])} pixels for an image of {list(image.shape)}"
+                )
+            images.append(image)
+            targets.append(target)
+            valids.append(valid)
+        return {"image": normalize_em(np.stack(images)[:, None]), "target": np.stack(targets),
+                "valid": np.stack(valids)}
+
+    def read(self, crop: SliceCrop, origin, shape) -> dict[str, np.ndarray]:
+        """A whole crop on its grid, stacked from its slices: ``image`` (1, D, H, W) and
+        ``target`` / ``valid`` (K, D, H, W) float32, as ``CropReader.read`` gives for
+        ``crop_grid(crop)``. ``origin`` is ignored; ``shape`` must be the crop's."""
+        if tuple(int(s) for s in shape) != crop.shape:
+            raise DatasetError(
+                f"{crop.full_name}: a slices dataset holds it on a {list(crop.shape)} grid, "
+                f"not {list(shape)}; data.voxel_size must be the dataset's {list(crop.voxel_size)}"
+            )
+        ax, rows = self.index.volume_rows(crop)
+        arrays = self.arrays(rows)  # (N, C, a, b): planes first
+        return {k: np.moveaxis(v, 0, 1 + ax).astype(np.float32) for k, v in arrays.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,9 +505,9 @@ class SliceSamples(Dataset):
     """Random 2D crops of the slices of the training crops, with binary targets and
     per-class validity masks: the item contract of ``SegmentationSamples``.
 
-    Item ``g`` is a dict: ``image`` (1, H, W), ``target`` and ``valid`` (K, H, W) float32,
-    ``index`` (the global sample index) and ``resampled`` (always 0: nothing here fails to
-    read). A window is placed uniformly inside the slice; along an axis where the slice is
+    Item ``g`` is a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, H, W),
+    ``target`` and ``valid`` (K, H, W) float32, ``index`` (the global sample index) and
+    ``resampled`` (always 0: nothing here fails to read). A window is placed uniformly inside the slice; along an axis where the slice is
     smaller it is centred, and the padding is invalid for every class (EM reads 0 there, as
     outside an EM volume).
     """
@@ -476,32 +534,10 @@ class SliceSamples(Dataset):
                 f"({', '.join(c.full_name for c in crops) or 'none'}); make the dataset with "
                 "--axes covering them, or change data.planes"
             )
-        self.labels = (MaskColumns if index.schema == OURS else CellMapIdLabels)(self.classes)
-        # Decode only what a sample needs (a row of our schema holds every class it has).
-        self.columns = index.ds.select_columns(["image", *self.labels.columns])
+        self.reader = SliceReader(index, self.classes)
 
     def __len__(self) -> int:
         return 2**62  # indexed by global sample index; the sampler decides what is drawn
-
-    def _arrays(self, rows) -> dict[str, np.ndarray]:
-        """EM (N, 1, h, w) float32 (normalized) and targets / validity (N, K, h, w) bool."""
-        rows = [int(r) for r in rows]
-        batch = self.columns[rows]
-        images, targets, valids = [], [], []
-        for i, row in enumerate(rows):
-            image = _gray(batch["image"][i])
-            target, valid = self.labels(batch, i)
-            if target.shape[1:] != image.shape:
-                raise DatasetError(
-                    f"data.dataset_name: row {row} ({self.index.row_crop[row]}, "
-                    f"{self.index.row_axis[row]} {self.index.row_index[row]}) has a label of "
-                    f"{list(target.shape[1:])} pixels for an image of {list(image.shape)}"
-                )
-            images.append(image)
-            targets.append(target)
-            valids.append(valid)
-        return {"image": normalize_em(np.stack(images)[:, None]), "target": np.stack(targets),
-                "valid": np.stack(valids)}
 
     def _plane_voxel_size(self, row: int) -> np.ndarray:
         """nm per voxel along the two image axes of a row's slice."""
@@ -509,39 +545,26 @@ class SliceSamples(Dataset):
         normal = AXES.index(self.index.row_axis[row])
         return np.asarray([v for a, v in enumerate(crop.voxel_size) if a != normal], dtype=float)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> Sample:
         rng = sample_rng(self.seed, index)
         row = int(self.train_rows[int(rng.integers(len(self.train_rows)))])
-        arrays = {k: v[0] for k, v in self._arrays([row]).items()}  # (C, h, w)
+        arrays = {k: v[0] for k, v in self.reader.arrays([row]).items()}  # (C, h, w)
         start = _place(rng, arrays["image"].shape[-2:], self.crop_size)
         vox = self._plane_voxel_size(row)
         plan = draw_plan(rng, self.aug, self.crop_size, vox)
-        sample = _tensors(_cut(arrays, start, self.crop_size, plan, vox, self.FILLS))
-        if self.aug.intensity:  # applied on the device by loader.batch_to_device
-            sample.update(intensity_params(plan, self.aug, vox, rng))
-        sample["index"] = torch.tensor(index, dtype=torch.int64)
-        sample["resampled"] = torch.tensor(0, dtype=torch.int64)
-        return sample
+        arrays = _cut(arrays, start, self.crop_size, plan, vox, self.FILLS)
+        return _sample(arrays, index, self.aug, plan, vox, rng)
 
     def read(self, crop: SliceCrop, origin, shape) -> dict[str, np.ndarray]:
-        """A whole crop on its grid, stacked from its slices: ``image`` (1, D, H, W) and
-        ``target`` / ``valid`` (K, D, H, W) float32, as ``SegmentationSamples.read`` gives
-        for ``crop_grid(crop)``. ``origin`` is ignored; ``shape`` must be the crop's."""
-        if tuple(int(s) for s in shape) != crop.shape:
-            raise DatasetError(
-                f"{crop.full_name}: a slices dataset holds it on a {list(crop.shape)} grid, "
-                f"not {list(shape)}; data.voxel_size must be the dataset's {list(crop.voxel_size)}"
-            )
-        ax, rows = self.index.volume_rows(crop)
-        arrays = self._arrays(rows)  # (N, C, a, b): planes first
-        return {k: np.moveaxis(v, 0, 1 + ax).astype(np.float32) for k, v in arrays.items()}
+        """:meth:`SliceReader.read` (what validation reads of a whole crop)."""
+        return self.reader.read(crop, origin, shape)
 
 
 class SliceMAESamples(Dataset):
     """Random 2D EM crops of the slices of a dataset, for MAE: the item contract of
-    :class:`~torchtitan.datasets.samples.MAESamples` (``image`` and ``valid`` (1, H, W), 0 in
-    the padding where a slice is smaller than the crop; ``noise`` for the masking;
-    ``index``, ``resampled``), decided by ``sample_rng(seed, g)`` alone. Every row is an
+    :class:`~torchtitan.datasets.samples.MAESamples` (a ``Sample``: ``image`` and ``valid``
+    (1, H, W), 0 in the padding where a slice is smaller than the crop; ``noise`` for the
+    masking; ``index``, ``resampled``), decided by ``sample_rng(seed, g)`` alone. Every row is an
     independent image at ``voxel_size``; with ``foreground_threshold`` > 0 the row and place
     are redrawn (up to FOREGROUND_DRAWS times, keeping the best) as ``MAESamples`` does."""
 
@@ -581,7 +604,7 @@ class SliceMAESamples(Dataset):
         arrays = {"image": image, "valid": np.ones_like(image)}
         return _cut(arrays, start, self.crop_size, plan, vox, self.FILLS), plan, vox
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> Sample:
         rng = sample_rng(self.seed, index)
         drawn = self._draw_once(rng)
         if self.foreground_threshold > 0:
@@ -595,13 +618,9 @@ class SliceMAESamples(Dataset):
                     best, best_fraction = drawn, fraction
             drawn = best
         arrays, plan, vox = drawn
-        sample = _tensors(arrays)
-        if self.aug.intensity:  # applied on the device by loader.batch_to_device
-            sample.update(intensity_params(plan, self.aug, vox, rng))
+        sample = _sample(arrays, index, self.aug, plan, vox, rng)
         if self.num_patches:
-            sample["noise"] = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
-        sample["index"] = torch.tensor(index, dtype=torch.int64)
-        sample["resampled"] = torch.tensor(0, dtype=torch.int64)
+            sample.noise = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
         return sample
 
 
@@ -713,7 +732,7 @@ def load_slice_data(cfg) -> tuple[SliceIndex, list[SliceCrop], list[SliceCrop]]:
             raise DatasetError(
                 f"data.classes {unknown} are not CellMap classes, and the labels of "
                 f"{d.dataset_name!r} (the original schema) are CellMap class ids; see "
-                "torchtitan/datasets/classes.py for the names"
+                "torchtitan/cellmap/classes.py for the names"
             )
     index = SliceIndex(ds, schema, d.classes, d.voxel_size)
     # In discover()'s order (dataset, then crop folder name), so that the split picks the same

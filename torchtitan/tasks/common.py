@@ -17,15 +17,16 @@ def check_backbone(cfg) -> None:
         )
 
 
-def most_forwards(count: int, trainer) -> int:
-    """The largest ``count`` over data-parallel ranks when the model is sharded, else ``count``.
+def most_forwards(count: int, ctx) -> int:
+    """The largest ``count`` over data-parallel ranks when the model is sharded, else ``count``
+    (``ctx``: the :class:`~torchtitan.tasks.base.ValidationContext`).
 
     Sharded (FSDP) forwards all-gather parameters, so every rank must run the same number of
     them: a rank with less work pads with idle forwards up to this number. Call it before any
     forward, so that the all-reduce here is matched on every rank.
     """
-    if not trainer.dims.fsdp_enabled:
+    if not ctx.sharded or ctx.dp_group is None:
         return count
     most = torch.tensor(count, dtype=torch.int64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=trainer.dp_mesh.get_group())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ctx.dp_group)
     return int(most)

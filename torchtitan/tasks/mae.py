@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan.datasets.loader import batch_to_device, build_mae_samples, load_em_sources
+from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.batch import Batch, collate
+from torchtitan.datasets.loader import build_mae_samples, load_em_sources
 from torchtitan.datasets.slices import build_slice_mae_samples, load_mae_slices
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
+from torchtitan.tasks.base import ValidationContext
 from torchtitan.tasks.common import check_backbone
 from torchtitan.visualization import frames_to_tensorboard_image, mae_frame
 
@@ -68,20 +71,20 @@ class MAETask:
 
     def _forward(self, model, batch):
         """(pred, mask, (sum, count)) of one batch."""
-        _, pred, mask = model(batch["image"], self.cfg.model.mask_ratio, batch["noise"],
-                              batch["valid"])
-        terms = mae_loss_terms(batch["image"], pred.float(), mask, self.cfg.model.patch_size,
-                               batch["valid"], self.cfg.model.norm_pix_loss)
+        pred, mask = model(batch.image, self.cfg.model.mask_ratio, batch.noise)
+        # The loss, once, outside the model: on the fp32 image (FSDP casts the model's inputs).
+        terms = mae_loss_terms(batch.image, pred, mask, self.cfg.model.patch_size,
+                               batch.valid, self.cfg.model.norm_pix_loss)
         return pred, mask, terms
 
     def loss_terms(self, model, batch):
         return self._forward(model, batch)[2]
 
-    def _picture(self, trainer, batch, pred, mask) -> None:
+    def _picture(self, ctx: ValidationContext, batch: Batch, pred, mask) -> None:
         """Input / masked input / reconstruction of the first held-out sample, as a PNG in
         ``visuals/`` and a TensorBoard image."""
         m = self.cfg.model
-        image = batch["image"][:1].float().cpu()
+        image = batch.image[:1].float().cpu()
         target = patchify(image, m.patch_size, m.ndim)
         recon = pred[:1].float().cpu()
         if m.norm_pix_loss:  # predictions are per-patch normalised: undo with the true stats
@@ -92,33 +95,32 @@ class MAETask:
         grid = [c // m.patch_size for c in m.crop_size]
         masked = unpatchify(target.masked_fill(hidden, float("nan")), m.patch_size, grid, m.in_chans)
         shown = unpatchify(torch.where(hidden, recon, target), m.patch_size, grid, m.in_chans)
-        frame = mae_frame(image[0], masked[0], shown[0], title=f"step {trainer.state.step}")
+        frame = mae_frame(image[0], masked[0], shown[0], title=f"step {ctx.step}")
         folder = Path(self.cfg.job.dump_folder) / "visuals"
         folder.mkdir(parents=True, exist_ok=True)
-        frame.save(folder / f"mae_step{trainer.state.step}.png")
-        if trainer.metrics.writer is not None:
-            trainer.metrics.writer.add_image("visuals/mae", frames_to_tensorboard_image(frame),
-                                             global_step=trainer.state.step, dataformats="CHW")
+        frame.save(folder / f"mae_step{ctx.step}.png")
+        if ctx.writer is not None:
+            ctx.writer.add_image("visuals/mae", frames_to_tensorboard_image(frame),
+                                 global_step=ctx.step, dataformats="CHW")
 
-    def validate(self, model, trainer) -> dict[str, float]:
+    def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
         """Reconstruction loss on a fixed held-out set of crops, split evenly across dp ranks
         (so sharded models run the same number of forwards everywhere)."""
-        dp, rank = trainer.dims.dp_degree, trainer.dp_rank
+        dp, rank = ctx.dp_degree, ctx.dp_rank
         n = -(-VAL_SAMPLES // dp) * dp
         data = self.train_dataset(VAL_SEED_OFFSET, augment=False)
         indices = list(range(n))[rank::dp]
         bs = max(1, self.cfg.training.batch_size // dp)
         total = torch.zeros(2, dtype=torch.float64)
         for i in range(0, len(indices), bs):
-            items = [data[j] for j in indices[i:i + bs]]
-            batch = batch_to_device({k: torch.stack([it[k] for it in items]) for k in items[0]},
-                                    trainer.device)
+            batch = collate([data[j] for j in indices[i:i + bs]]).to(ctx.device)
+            batch = augment_on_device(batch)  # nothing to do without augmentation
             pred, mask, (s, c) = self._forward(model, batch)
             total += torch.stack([s.detach().double().cpu(), c.detach().double().cpu()])
-            if i == 0 and trainer.rank == 0:
-                self._picture(trainer, batch, pred, mask)
-        if trainer.dp_mesh is not None:
-            dist.all_reduce(total, group=trainer.dp_mesh.get_group())
+            if i == 0 and rank == 0 and ctx.writes_files:  # one picture, from global rank 0
+                self._picture(ctx, batch, pred, mask)
+        if ctx.dp_group is not None:
+            dist.all_reduce(total, group=ctx.dp_group)
         return {"val/reconstruction_loss": float(total[0] / total[1].clamp_min(1))}
 
     def summary(self, scores: dict[str, float]) -> None:

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
-from torchtitan.datasets.samples import READ_ERRORS, crop_grid
-from torchtitan.datasets.slices import build_slice_samples, load_slice_data
+from torchtitan.datasets.batch import Batch
+from torchtitan.datasets.samples import READ_ERRORS, CropReader, crop_grid
+from torchtitan.datasets.slices import SliceReader, build_slice_samples, load_slice_data
 from torchtitan.datasets.targets import annotates, read_instance_ids
 from torchtitan.evaluation import INSTANCE_CLASSES, combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume
@@ -21,6 +22,7 @@ from torchtitan.models import (
     predict_probabilities,
     training_flops_per_sample,
 )
+from torchtitan.tasks.base import ValidationContext
 from torchtitan.tasks.common import check_backbone, most_forwards
 from torchtitan.visualization import write_validation_visuals
 
@@ -41,14 +43,17 @@ class SegmentationTask:
         check_backbone(self.cfg)
         if self.cfg.data.dataset_name:  # 2D slices (helpers/create_slice_dataset.py); it logs
             self.slices, self.train_crops, self.val_crops = load_slice_data(self.cfg)
+            # Whole held-out crops, stacked from their slices.
+            self.reader = SliceReader(self.slices, self.cfg.data.classes)
             return
         self.sources, self.train_crops, self.val_crops = load_segmentation_data(self.cfg)
+        self.reader = CropReader(self.sources, self.cfg.data.classes, self.cfg.data.voxel_size)
         logger.info("segmentation data: %d datasets, %d training crops, %d validation crops (%s)",
                     len(self.sources), len(self.train_crops), len(self.val_crops),
                     ", ".join(c.full_name for c in self.val_crops) or "none")
 
     def train_dataset(self):
-        if self.cfg.data.dataset_name:  # its read() stacks held-out crops for validation too
+        if self.cfg.data.dataset_name:
             return build_slice_samples(self.cfg, self.slices, self.train_crops)
         return build_segmentation_samples(self.cfg, self.sources, self.train_crops)
 
@@ -65,21 +70,20 @@ class SegmentationTask:
     def flops_per_sample(self, model) -> float:
         return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
 
-    def loss_terms(self, model, batch):
+    def loss_terms(self, model, batch: Batch):
         """(sum, count) of the configured loss (``model.loss``, see ``models/losses.py``)."""
         m = self.cfg.model
-        logits = model(batch["image"], output_size=batch["target"].shape[2:]).float()
+        logits = model(batch.image, output_size=batch.target.shape[2:]).float()
         weights = torch.tensor(m.class_weights, device=logits.device) if m.class_weights else None
-        return build_loss(m.loss, weights)(logits, batch["target"], batch["valid"])
+        return build_loss(m.loss, weights)(logits, batch.target, batch.valid)
 
     # -- validation -----------------------------------------------------------------------------
 
     def _val_volume(self, crop) -> dict[str, torch.Tensor]:
         """A whole validation crop on the training grid (cached: crops are small)."""
         if crop.full_name not in self._val_cache:
-            samples = self.train_dataset()
             origin, shape = crop_grid(crop, self.cfg.data.voxel_size)
-            arrays = samples.read(crop, origin, shape)
+            arrays = self.reader.read(crop, origin, shape)
             vol = {
                 "image": torch.from_numpy(arrays["image"]),
                 "target": torch.from_numpy(arrays["target"] > 0),
@@ -97,15 +101,15 @@ class SegmentationTask:
             self._val_cache[crop.full_name] = vol
         return self._val_cache[crop.full_name]
 
-    def validate(self, model, trainer) -> dict[str, float]:
+    def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
         """Predict each rank's whole validation crops (sliding window), score them the CellMap
         way (semantic IoU/Dice pooled over crops, instance scores per crop), and write a GIF
         of each crop's EM, ground truth and prediction to ``dump_folder/visuals``."""
         cfg, inf = self.cfg, self.cfg.inference
         classes = list(cfg.data.classes)
-        mine = self.val_crops[trainer.dp_rank::trainer.dims.dp_degree]
+        mine = self.val_crops[ctx.dp_rank::ctx.dp_degree]
         window = tuple(cfg.model.crop_size)
-        device = trainer.device
+        device = ctx.device
 
         def predict(x: torch.Tensor) -> torch.Tensor:
             return predict_probabilities(model(x.to(device)).float(), cfg.model.loss)
@@ -113,7 +117,7 @@ class SegmentationTask:
         # Sharded models need the same number of forwards on every rank: count them first.
         calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, inf.overlap,
                                       inf.batch_size, planes=inf.planes) for c in mine)
-        idle = most_forwards(calls, trainer) - calls
+        idle = most_forwards(calls, ctx) - calls
         per_crop = []
         skipped = 0
         for crop in mine:
@@ -138,28 +142,25 @@ class SegmentationTask:
                 {classes[k]: pred[k] for k in annotated},
                 {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated},
                 {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))
-            if getattr(trainer, "tp_rank", 0) == 0:
-                self._visualize(trainer, crop, vol, pred, classes)
+            if ctx.writes_files:
+                self._visualize(ctx, crop, vol, pred, classes)
         dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
         for _ in range(idle):
             predict(dummy)
-        if trainer.dp_mesh is not None:
-            gathered: list = [None] * trainer.dims.dp_degree
-            dist.all_gather_object(gathered, (per_crop, skipped),
-                                   group=trainer.dp_mesh.get_group())
+        if ctx.dp_group is not None:
+            gathered: list = [None] * ctx.dp_degree
+            dist.all_gather_object(gathered, (per_crop, skipped), group=ctx.dp_group)
             per_crop = [c for rank_crops, _ in gathered for c in rank_crops]
             skipped = sum(n for _, n in gathered)
         scores = validation_scores(combine_scores(per_crop), classes) if per_crop else {}
         scores["val/skipped_crops"] = float(skipped)
         return scores
 
-    def _visualize(self, trainer, crop, vol, pred, classes) -> None:
-        step = trainer.state.step
-        writer = trainer.metrics.writer if trainer.rank == 0 else None
+    def _visualize(self, ctx: ValidationContext, crop, vol, pred, classes) -> None:
         write_validation_visuals(
-            Path(self.cfg.job.dump_folder) / "visuals", crop.full_name, step,
+            Path(self.cfg.job.dump_folder) / "visuals", crop.full_name, ctx.step,
             vol["image"][0].numpy(), vol["target"].numpy(), pred, classes,
-            valid=vol["valid"].numpy(), writer=writer)
+            valid=vol["valid"].numpy(), writer=ctx.writer)
 
     def summary(self, scores: dict[str, float]) -> None:
         cfg = self.cfg

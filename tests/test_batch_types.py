@@ -1,0 +1,101 @@
+"""The typed hand-offs: samples collate into a Batch that pins, moves to a device in one step
+and is augmented there in another; both tasks satisfy the Task protocol."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.batch import Batch, Sample, collate
+from torchtitan.datasets.samples import normalize_em
+from torchtitan.tasks import MAETask, SegmentationTask, Task, ValidationContext
+
+
+def _sample(g: int, intensity: bool = False) -> Sample:
+    rng = np.random.default_rng(g)
+    sample = Sample(image=torch.from_numpy(rng.integers(0, 256, (1, 8, 8), dtype=np.uint8)),
+                    valid=torch.ones(2, 8, 8, dtype=torch.uint8),
+                    target=torch.from_numpy(rng.integers(0, 2, (2, 8, 8), dtype=np.uint8)),
+                    index=g, resampled=g % 2)
+    if intensity:
+        sample.intensity = torch.tensor([1.1, 0.9, 0.1, 0, 0, 0.7], dtype=torch.float32)
+        sample.noise_seed = torch.tensor(g, dtype=torch.int64)
+    return sample
+
+
+class _Samples(Dataset):
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, g: int) -> Sample:
+        return _sample(g)
+
+
+def test_collate_makes_a_batch_of_named_fields():
+    batch = collate([_sample(g) for g in range(3)])
+    assert isinstance(batch, Batch) and len(batch) == 3
+    assert batch.image.shape == (3, 1, 8, 8) and batch.target.shape == (3, 2, 8, 8)
+    assert batch.index.tolist() == [0, 1, 2] and batch.index.dtype == torch.int64
+    assert batch.resampled.tolist() == [0, 1, 0]
+    assert batch.noise is None and batch.geometry is None and not batch.augments_on_device
+    with pytest.raises(ValueError, match="intensity"):
+        collate([_sample(0), _sample(1, intensity=True)])
+
+
+def test_loader_workers_ship_batches_in_shared_memory():
+    from torchtitan.datasets.loader import build_loader
+
+    loader = build_loader(_Samples(), 4, 0, 1, start_step=1, num_workers=1)
+    batch = next(iter(loader))
+    assert isinstance(batch, Batch) and batch.index.tolist() == [4, 5, 6, 7]
+    assert batch.image.is_shared() and batch.valid.is_shared()
+    assert torch.equal(batch.image, collate([_sample(g) for g in range(4, 8)]).image)
+
+
+def test_batch_pins_through_the_loaders_pin_function(monkeypatch):
+    batch = collate([_sample(g, intensity=True) for g in range(2)])
+    if not torch.cuda.is_available():  # a CPU-only build cannot pin: mark instead
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone().fill_(7))
+    pinned = torch_pin_memory(batch)  # what the DataLoader's pinning thread calls
+    assert isinstance(pinned, Batch)
+    for name, value in vars(pinned).items():
+        if value is None:
+            continue
+        if torch.cuda.is_available():
+            assert value.is_pinned(), name
+            assert torch.equal(value, getattr(batch, name)), name
+        else:
+            assert bool((value == 7).all()), name
+
+
+def test_batch_moves_to_the_device_then_is_augmented_there():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch = collate([_sample(g, intensity=True) for g in range(2)])
+    moved = batch.to(device)
+    assert moved.image.device.type == device.type and moved.image.dtype == torch.float32
+    expected = torch.from_numpy(normalize_em(batch.image.numpy()))
+    assert torch.equal(moved.image.cpu(), expected)  # bit for bit the host normalisation
+    assert moved.target.dtype == moved.valid.dtype == torch.float32
+    # The plan and the bookkeeping stay on the host (read there without a device sync).
+    assert moved.intensity.device.type == "cpu" and moved.index.device.type == "cpu"
+    out = augment_on_device(moved)
+    assert out.intensity is None and out.noise_seed is None and not out.augments_on_device
+    assert out.image.device.type == device.type and out.image.shape == moved.image.shape
+    assert not torch.allclose(out.image, moved.image)
+    assert torch.equal(out.target, moved.target) and torch.equal(out.valid, moved.valid)
+    plain = collate([_sample(0)]).to(device)
+    assert augment_on_device(plain) is plain  # nothing left to do
+
+
+def test_both_tasks_satisfy_the_task_protocol():
+    cfg = JobConfig()
+    for task in (MAETask(cfg), SegmentationTask(cfg)):
+        assert isinstance(task, Task), type(task).__name__
+        assert isinstance(task.best_metric, str) and isinstance(task.best_higher, bool)
+    ctx = ValidationContext(device=torch.device("cpu"), step=3)
+    assert ctx.dp_degree == 1 and ctx.dp_group is None and not ctx.sharded and ctx.writes_files
