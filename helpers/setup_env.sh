@@ -58,7 +58,13 @@ _em_setup_venv="${VENV:-$_em_setup_root/.venv}"
   fi
 
   echo "setting up $VENV from requirements.txt and pyproject.toml with Python $version ($found) (once) ..."
-  "$PYTHON" -m venv "$VENV" || fail "'$PYTHON -m venv $VENV' failed"
+  # A venv whose pip no longer runs (an interrupted earlier set-up) is made again from scratch.
+  clear=""
+  if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    echo "$VENV: its pip does not run (an interrupted set-up?); creating it again"
+    clear="--clear"
+  fi
+  "$PYTHON" -m venv $clear "$VENV" || fail "'$PYTHON -m venv $VENV' failed"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt" \
     || fail "installing requirements.txt into $VENV failed (see pip's message above)"

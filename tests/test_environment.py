@@ -116,6 +116,25 @@ def test_failed_install_returns_nonzero(tmp_path):
     assert not (venv / ".setup.sha256").exists()
 
 
+def test_a_venv_whose_pip_does_not_run_is_made_again(tmp_path):
+    """An interrupted set-up can leave a half-upgraded pip behind: the next set-up creates
+    the venv again (``venv --clear``) instead of failing on every later run."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    broken = venv / "bin" / "python"
+    broken.write_text("#!/bin/sh\necho 'ImportError: cannot import name from pip' >&2; exit 1\n")
+    broken.chmod(0o755)
+    log = tmp_path / "venv-args"
+    fake = tmp_path / "fake-python"  # records how `-m venv` is called, then fails
+    fake.write_text("#!/bin/sh\n"
+                    'case "$*" in *version_info*) echo 3.12;; '
+                    f'*) echo "$*" >> {log}; exit 3;; esac\n')
+    fake.chmod(0o755)
+    r = _bash('source helpers/setup_env.sh; echo "rc=$?"', VENV=str(venv), PYTHON=str(fake))
+    assert "pip does not run" in r.stdout, r.stdout + r.stderr
+    assert log.read_text().split() == ["-m", "venv", "--clear", str(venv)]
+
+
 def test_missing_interpreter_is_named(tmp_path):
     r = _bash('source helpers/setup_env.sh; echo "rc=$?"',
               VENV=str(tmp_path / "venv"), PYTHON="no-such-python-3.11")
