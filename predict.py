@@ -9,13 +9,13 @@
         --out submission.zarr --tta --planes zyx       # every crop of a manifest, no labels
 
 ``--manifest`` takes a CSV with the columns crop_name, dataset, origin_z/y/x (nm, outer corner
-of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm); see torchtitan/predictor.py.
+of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm); see torchtitan/tools/predictor.py.
 ``--tta`` averages over the flips of each window and ``--planes zyx`` makes a 2D model predict
 yx, zx and zy planes and average them; both override the run's ``[inference]`` settings.
 
 The run's ``config.toml`` (found next to the checkpoint, or given with --config) rebuilds the
 model; the output is OME-NGFF zarr that napari and neuroglancer open, in the CellMap
-submission layout for crops (``PRED.zarr/crop<N>/<class>``). See torchtitan/predictor.py.
+submission layout for crops (``PRED.zarr/crop<N>/<class>``). See torchtitan/tools/predictor.py.
 """
 
 import argparse
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank)
     args = parse_args(argv)
-    from torchtitan.predictor import predict_regions
+    from torchtitan.tools.predictor import predict_regions
 
     try:
         written = predict_regions(args)

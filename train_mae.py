@@ -4,9 +4,12 @@
 """
 
 import sys
+from functools import partial
 
 from torchtitan.tasks import MAETask
+from torchtitan.tools.visualization import write_mae_visuals
 from torchtitan.trainer import run
 
 if __name__ == "__main__":
-    sys.exit(run(MAETask))
+    # The picture writer is a tool, handed to the task here: the core never imports tools.
+    sys.exit(run(partial(MAETask, visuals=write_mae_visuals)))

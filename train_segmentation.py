@@ -5,9 +5,12 @@
 """
 
 import sys
+from functools import partial
 
 from torchtitan.tasks import SegmentationTask
+from torchtitan.tools.visualization import write_validation_visuals
 from torchtitan.trainer import run
 
 if __name__ == "__main__":
-    sys.exit(run(SegmentationTask))
+    # The picture writer is a tool, handed to the task here: the core never imports tools.
+    sys.exit(run(partial(SegmentationTask, visuals=write_validation_visuals)))

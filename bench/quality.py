@@ -190,7 +190,10 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--unet-worker":
+        from functools import partial
+
+        from torchtitan.tools.visualization import write_validation_visuals
         from torchtitan.trainer import run
 
-        sys.exit(run(unet_task(), sys.argv[2:]))
+        sys.exit(run(partial(unet_task(), visuals=write_validation_visuals), sys.argv[2:]))
     sys.exit(main())

@@ -45,7 +45,8 @@ from helpers.plot_volumes_single import (
     parse_list,
     parse_voxel_size,
 )
-from torchtitan.datasets.cellmap import AXES, DatasetError
+from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import annotates
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli

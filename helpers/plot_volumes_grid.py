@@ -24,7 +24,7 @@ from helpers.plot_volumes_single import (
     parse_voxel_size,
     read_crop_volume,
 )
-from torchtitan.visualization import grid_frames, save_gif
+from torchtitan.tools.visualization import grid_frames, save_gif
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.errors import run_cli
 

@@ -37,8 +37,8 @@ from torchtitan.datasets.cellmap import (
 )
 from torchtitan.datasets.samples import crop_grid
 from torchtitan.datasets.targets import annotates, read_target
-from torchtitan.evaluation import prediction_level
-from torchtitan.visualization import CLASS_COLORS, comparison_frames, save_gif
+from torchtitan.tools.scoring import prediction_level
+from torchtitan.tools.visualization import CLASS_COLORS, comparison_frames, save_gif
 from torchtitan.errors import run_cli
 
 # ---------------------------------------------------------------------------------------------

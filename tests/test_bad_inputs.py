@@ -187,7 +187,7 @@ CASES = [
          ["data.dataset_name 'nobody/no-such-dataset'"],
          env={"HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
               "HF_HOME": "{tmp}/hf_home"}, absent=[SECRET]),
-    Case("score_no_predictions", "torchtitan/evaluation.py", ["--predictions", "{tmp}/none.zarr",
+    Case("score_no_predictions", "torchtitan/tools/scoring.py", ["--predictions", "{tmp}/none.zarr",
                                                               "--groundtruth", "{data}"],
          ["{tmp}/none.zarr"]),
     # ---- torchrun, 2 processes: every rank stops, one message --------------------------------------

@@ -607,16 +607,24 @@ def test_help_in_subprocess():
 
 
 def test_module_imports_nothing_of_ours():
-    """Floor 1: config_manager imports only the standard library and tomli_w."""
+    """Floor 1: the config modules (config_manager and the config_* modules beside it) import
+    only the standard library, tomli_w and each other."""
     import torchtitan.config_manager as module
 
-    tree = ast.parse(open(module.__file__).read())
+    folder = os.path.dirname(module.__file__)
+    files = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+             if name.startswith("config_") and name.endswith(".py")]
+    assert len(files) >= 2
     imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative import in config_manager"
-            imported.add(node.module.split(".")[0])
-    outside_stdlib = imported - set(sys.stdlib_module_names)
+    for path in files:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"relative import in {path}"
+                imported.add(node.module)
+    ours = {name for name in imported if name.split(".")[0] == "torchtitan"}
+    assert ours <= {"torchtitan.config_parsing", "torchtitan.config_checks",
+                    "torchtitan.config_manager"}
+    outside_stdlib = {name.split(".")[0] for name in imported - ours} - set(sys.stdlib_module_names)
     assert outside_stdlib == {"tomli_w"}

@@ -11,13 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.ndimage as ndi
-import torch
 import zarr
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import directed_hausdorff
 
 from torchtitan.evaluation import (
-    ConfusionCounts,
     combine_scores,
     hausdorff_distance,
     instance_scores,
@@ -205,9 +203,12 @@ def test_iou_and_dice_match_numpy_and_pooled_counts():
         p, t = pred[k][valid[k]], truth[k][valid[k]]
         assert s["iou"] == pytest.approx((p & t).sum() / (p | t).sum())
         assert s["dice"] == pytest.approx(2 * (p & t).sum() / (p.sum() + t.sum()))
-    counts = ConfusionCounts(3)
-    counts.update(torch.from_numpy(pred), torch.from_numpy(truth), torch.from_numpy(valid))
-    assert counts.iou() == pytest.approx([semantic_crop_scores(pred[k], truth[k], valid[k])["iou"] for k in range(3)])
+    # Pooled over the three volumes as crops of one class: IoU and Dice of the summed counts.
+    pooled = combine_scores([score_crop({"x": pred[k]}, {"x": truth[k]}, {"x": valid[k]}, VOXEL)
+                             for k in range(3)])["classes"]["x"]
+    p, t = pred[valid], truth[valid]
+    assert pooled["iou"] == pytest.approx((p & t).sum() / (p | t).sum())
+    assert pooled["dice"] == pytest.approx(2 * (p & t).sum() / (p.sum() + t.sum()))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -249,7 +250,7 @@ def test_instance_matching_maximises_total_iou():
 
 
 def _run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchtitan.evaluation", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "torchtitan.tools.scoring", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -267,7 +268,7 @@ def _truth_crops(root: Path):
 
 @pytest.fixture(scope="module")
 def gt_root(tmp_path_factory) -> Path:
-    from torchtitan.datasets.demo_data import generate_demo_data
+    from torchtitan.tools.demo_data import generate_demo_data
 
     root = tmp_path_factory.mktemp("eval") / "data"
     generate_demo_data(root, scale=0.25)
@@ -348,7 +349,7 @@ def test_cli_zero_predictions_and_selection(gt_root, tmp_path):
 
 def test_cli_reports_a_missing_or_invalid_store(gt_root, tmp_path, capsys):
     """Clear errors naming the path (in process: the subprocess runs above cover the entry)."""
-    from torchtitan.evaluation import main
+    from torchtitan.tools.scoring import main
 
     missing = tmp_path / "nowhere.zarr"
     assert main(["--predictions", str(missing), "--groundtruth", str(gt_root)]) != 0

@@ -230,7 +230,7 @@ def test_blockwise_equals_whole_volume_with_tta_and_zyx():
 
 
 def test_predictor_options_follow_the_config_unless_overridden(demo_data):
-    from torchtitan.predictor import inference_options
+    from torchtitan.tools.predictor import inference_options
 
     def cfg(*extra):
         return ConfigManager().parse_args([
@@ -258,7 +258,7 @@ HEADER = ("crop_name,dataset,origin_z,origin_y,origin_x,shape_z,shape_y,shape_x,
 
 
 def test_read_manifest(tmp_path):
-    from torchtitan.predictor import covering_grid, read_manifest
+    from torchtitan.tools.predictor import covering_grid, read_manifest
 
     path = tmp_path / "m.csv"
     path.write_text(HEADER + ",class_label\n"
@@ -309,7 +309,7 @@ def _predict_and_score(dump, demo_data, out, crops, *extra):
     assert r.returncode == 0, r.stderr[-3000:]
     options = r.stderr
     scores = out.parent / (out.stem + "_scores.json")
-    r = subprocess.run([sys.executable, "-m", "torchtitan.evaluation", "--predictions", str(out),
+    r = subprocess.run([sys.executable, "-m", "torchtitan.tools.scoring", "--predictions", str(out),
                         "--groundtruth", str(demo_data), "--classes", ",".join(CLASSES),
                         "--out", str(scores)], cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=600)

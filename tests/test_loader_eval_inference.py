@@ -15,7 +15,7 @@ from torchtitan.datasets.loader import (
     load_segmentation_data,
     split_crops,
 )
-from torchtitan.evaluation import ConfusionCounts, semantic_scores
+from torchtitan.evaluation import combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume, sliding_window
 
 
@@ -77,27 +77,33 @@ def test_split_prefers_crops_with_every_class(demo_data):
     assert all({"nuc", "mito"} <= set(c.classes) for c in val)
 
 
+def _crop_scores(pred, target, valid, classes) -> dict:
+    """``score_crop`` of one crop whose classes are the rows of (K, N) arrays."""
+    return score_crop({n: pred[k] for k, n in enumerate(classes)},
+                      {n: target[k] for k, n in enumerate(classes)},
+                      {n: valid[k] for k, n in enumerate(classes)}, voxel_size=(1.0,))
+
+
 def test_iou_and_dice_by_hand():
-    counts = ConfusionCounts(3)
-    pred = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0]]).bool()
-    target = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]).bool()
-    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]).bool()
-    counts.update(pred, target, valid)
-    iou = counts.iou()
-    assert iou[0] == pytest.approx(1 / 3)  # tp 1, fp 1, fn 1
-    assert iou[1] == 1.0  # empty prediction of an empty class
-    assert np.isnan(iou[2])  # not annotated anywhere: not scored
-    scores = semantic_scores(counts, ["a", "b", "c"])
+    """The metrics validation logs: score_crop per crop, pooled by combine_scores."""
+    classes = ["a", "b", "c"]
+    pred = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0]], bool)
+    target = np.array([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    valid = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], bool)
+    combined = combine_scores([_crop_scores(pred, target, valid, classes)])
+    assert combined["classes"]["a"]["iou"] == pytest.approx(1 / 3)  # tp 1, fp 1, fn 1
+    assert combined["classes"]["b"]["iou"] == 1.0  # empty prediction of an empty class
+    assert "c" not in combined["classes"]  # not annotated anywhere: not scored
+    scores = validation_scores(combined, classes)
     assert scores["val/dice/a"] == pytest.approx(0.5)
     assert "val/iou/c" not in scores
     assert scores["val/mean_iou"] == pytest.approx((1 / 3 + 1) / 2)
 
 
 def test_iou_pools_counts_over_crops():
-    counts = ConfusionCounts(1)
-    counts.update(torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]))
-    counts.update(torch.tensor([[0, 0]]), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]))
-    assert counts.iou()[0] == pytest.approx(0.5)
+    ones = np.ones((1, 2), bool)
+    crops = [_crop_scores(ones, ones, ones, ["a"]), _crop_scores(~ones, ones, ones, ["a"])]
+    assert combine_scores(crops)["classes"]["a"]["iou"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("blend", ["gaussian", "constant"])

@@ -15,7 +15,7 @@ import scipy.ndimage as ndi
 import torch
 import zarr
 
-from torchtitan.datasets.augment import AugmentParams
+from torchtitan.config_manager import Augmentation
 from torchtitan.datasets.cellmap import DatasetError, discover
 from torchtitan.cellmap.classes import (
     CLASS_PARTS,
@@ -25,7 +25,8 @@ from torchtitan.cellmap.classes import (
 )
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch, Sample, collate
-from torchtitan.datasets.samples import MAESamples, SegmentationSamples, samples_kwargs
+from torchtitan.datasets.mae_samples import MAESamples
+from torchtitan.datasets.samples import SegmentationSamples, samples_kwargs
 from torchtitan.datasets.targets import annotates, read_instance_ids, read_target, target_groups
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
@@ -288,12 +289,12 @@ def _mismatch(item) -> float:
 
 
 GEOMETRIC = {  # augmentation, tolerated mean mismatch
-    "flips": (AugmentParams(), 0.0),
-    "rot90": (AugmentParams(rot90=True), 0.0),
-    "rotate": (AugmentParams(flips=False, rotate_deg=45), 0.01),
-    "zoom": (AugmentParams(flips=False, scale=0.3), 0.01),
-    "all": (AugmentParams(rot90=True, rotate_deg=180, scale=0.3, resample_on="workers"), 0.01),
-    "all_on_device": (AugmentParams(rot90=True, rotate_deg=180, scale=0.3, resample_on="device"),
+    "flips": (Augmentation(), 0.0),
+    "rot90": (Augmentation(rot90=True), 0.0),
+    "rotate": (Augmentation(flips=False, rotate_deg=45), 0.01),
+    "zoom": (Augmentation(flips=False, scale=0.3), 0.01),
+    "all": (Augmentation(rot90=True, rotate_deg=180, scale=0.3, resample_on="workers"), 0.01),
+    "all_on_device": (Augmentation(rot90=True, rotate_deg=180, scale=0.3, resample_on="device"),
                       0.01),
 }
 
@@ -326,7 +327,7 @@ def test_anisotropic_rotation_about_z_keeps_alignment(tmp_path, where):
     write_labels(store, "crop1", {"mito": em > 125}, (16, 8, 8))
     (src,) = discover(tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (16, 8, 8), (6, 24, 24), seed=0,
-                             augmentation=AugmentParams(rot90=True, rotate_deg=90, scale=0.2,
+                             augmentation=Augmentation(rot90=True, rotate_deg=90, scale=0.2,
                                                         resample_on=where))
     assert np.mean([_mismatch(ds[g]) for g in range(8)]) <= 0.01
 
@@ -345,7 +346,7 @@ def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path
     (src,) = discover(tmp_path)
     made = {}
     for where in ("workers", "device"):
-        aug = AugmentParams(rot90=True, rotate_deg=180, scale=0.2, gamma=0.2, blur_sigma=1.0,
+        aug = Augmentation(rot90=True, rotate_deg=180, scale=0.2, gamma=0.2, blur_sigma=1.0,
                             resample_on=where)
         ds = SegmentationSamples([src], src.crops, ["mito"], vox, crop_size, seed=5,
                                  augmentation=aug, planes=planes)
@@ -358,8 +359,8 @@ def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path
 
 def test_intensity_augmentations_touch_em_only(em_labels):
     (src,) = em_labels
-    geometric = AugmentParams(rot90=True, rotate_deg=30)
-    both = AugmentParams(rot90=True, rotate_deg=30, contrast=0.3, gamma=0.3, noise_std=0.1,
+    geometric = Augmentation(rot90=True, rotate_deg=30)
+    both = Augmentation(rot90=True, rotate_deg=30, contrast=0.3, gamma=0.3, noise_std=0.1,
                          blur_sigma=1.5)
     a = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (24, 24), 0,
                             augmentation=geometric)
@@ -413,7 +414,7 @@ def test_zyx_planes_cut_every_orientation(tmp_path):
     write_labels(store, "crop1", {"mito": np.ones((32, 40, 40))}, (8, 8, 8))
     (src,) = discover(tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0,
-                             augmentation=AugmentParams(flips=False), planes="zyx")
+                             augmentation=Augmentation(flips=False), planes="zyx")
     flat = 0
     for g in range(60):
         img = ds[g].image[0]
@@ -431,7 +432,7 @@ def test_zyx_planes_cut_every_orientation(tmp_path):
 
 def test_samples_depend_only_on_seed_and_index(rare):
     (src,) = rare
-    kwargs = dict(augmentation=AugmentParams(rot90=True, rotate_deg=20, scale=0.1, contrast=0.2,
+    kwargs = dict(augmentation=Augmentation(rot90=True, rotate_deg=20, scale=0.1, contrast=0.2,
                                              noise_std=0.05, blur_sigma=1.0),
                   class_balanced=True, min_label_fraction=0.5, planes="zyx")
     a = SegmentationSamples([src], src.crops, ["nuc", "ld"], (8, 8, 8), (16, 16), 4, **kwargs)
@@ -475,7 +476,7 @@ def test_mae_foreground_threshold(tmp_path, rotate):
     em[:, :, 28 if rotate else 40:] = 150  # 9/16 or 3/8 of the volume is non-zero
     make_store(tmp_path, em)
     sources = discover(tmp_path)
-    aug = AugmentParams(rotate_deg=180 if rotate else 0, scale=0.2 if rotate else 0,
+    aug = Augmentation(rotate_deg=180 if rotate else 0, scale=0.2 if rotate else 0,
                         resample_on="device")
     plain = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, augmentation=aug)
     fg = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, foreground_threshold=0.9, num_patches=4,
@@ -574,7 +575,7 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim, rotate):
     write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (8, 8, 8))
     (src,) = discover(tmp_path)
     crop_size = (16, 16) if ndim == 2 else (8, 16, 16)
-    aug = AugmentParams(rot90=True, contrast=0.2, gamma=0.2, noise_std=0.05, blur_sigma=1.0,
+    aug = Augmentation(rot90=True, contrast=0.2, gamma=0.2, noise_std=0.05, blur_sigma=1.0,
                         rotate_deg=30 if rotate else 0, scale=0.2 if rotate else 0,
                         resample_on="device")
     fast = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), crop_size, seed=3,
@@ -642,7 +643,7 @@ def test_device_geometry_equals_host_resampling(ndim, vox):
 
     rng = np.random.default_rng(ndim)
     shape = (10, 12, 12)[-ndim:] if ndim == 3 else (12, 12)
-    params = AugmentParams(rot90=True, rotate_deg=180, scale=0.3)
+    params = Augmentation(rot90=True, rotate_deg=180, scale=0.3)
     buffer_shape = max_read_shape(shape, vox, params)
     buffers, geometries, expected = [], [], []
     for _ in range(12):

@@ -24,12 +24,12 @@ from torchtitan.datasets.cellmap import DatasetError, discover  # noqa: E402
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data  # noqa: E402
 from torchtitan.datasets.samples import crop_grid, normalize_em  # noqa: E402
 from torchtitan.datasets.slices import (  # noqa: E402
-    CellMapIdLabels,
     build_slice_mae_samples,
     build_slice_samples,
     load_mae_slices,
     load_slice_data,
 )
+from torchtitan.datasets.slices_original import CellMapIdLabels  # noqa: E402
 from torchtitan.datasets.targets import annotates  # noqa: E402
 
 

@@ -12,8 +12,8 @@ import torch
 import zarr
 from PIL import Image
 
-from torchtitan.datasets.demo_data import generate_demo_data
-from torchtitan.visualization import (
+from torchtitan.tools.demo_data import generate_demo_data
+from torchtitan.tools.visualization import (
     CLASS_COLORS,
     GAP,
     HATCH_GREY,
@@ -28,6 +28,7 @@ from torchtitan.visualization import (
     overlay,
     sanitize_name,
     save_gif,
+    write_mae_visuals,
     write_validation_visuals,
 )
 
@@ -251,6 +252,26 @@ def test_tensorboard_image_and_validation_visuals(tmp_path):
 
     decoded = Image.open(io.BytesIO(image.encoded_image_string))
     assert decoded.size == size
+
+
+def test_mae_visuals_write_a_png_and_a_tensorboard_image(tmp_path):
+    """The writer train_mae.py hands to the MAE task."""
+    from torch.utils.tensorboard import SummaryWriter
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    img = torch.randn(1, 32, 32)
+    masked = img.clone()
+    masked[:, :16, :16] = float("nan")
+    writer = SummaryWriter(str(tmp_path / "logs"))
+    path = write_mae_visuals(tmp_path / "visuals", 7, img, masked, img * 0.9, writer=writer)
+    writer.close()
+    assert path == tmp_path / "visuals" / "mae_step7.png"
+    with Image.open(path) as png:
+        assert png.size == mae_frame(img, masked, img * 0.9, title="step 7").size
+    events = EventAccumulator(str(tmp_path / "logs"), size_guidance={IMAGES: 0})
+    events.Reload()
+    (image,) = events.Images("visuals/mae")
+    assert image.step == 7
 
 
 def test_sanitize_name():

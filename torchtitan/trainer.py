@@ -516,8 +516,13 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def run(task_cls, argv: list[str] | None = None) -> int:
-    """Entry point shared by ``train_mae.py`` and ``train_segmentation.py``."""
+def run(make_task, argv: list[str] | None = None) -> int:
+    """Entry point shared by ``train_mae.py`` and ``train_segmentation.py``.
+
+    ``make_task(cfg)`` builds the task: a task class, or a factory such as
+    ``functools.partial(SegmentationTask, visuals=write_validation_visuals)`` through which an
+    entry script hands the task what the core may not import (the picture writers are tools).
+    """
     rank = _env_int("RANK", 0)
     setup_logging(rank)
     try:
@@ -528,7 +533,7 @@ def run(task_cls, argv: list[str] | None = None) -> int:
             from torchtitan.config_manager import config_to_toml
 
             print(config_to_toml(cfg))
-        task = task_cls(cfg)
+        task = make_task(cfg)
         task.prepare()  # reads and checks the data; no process group yet
         trainer = Trainer(cfg, task)
     except USER_ERRORS as e:

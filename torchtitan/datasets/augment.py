@@ -29,49 +29,40 @@ import scipy.ndimage as ndi
 import torch
 import torch.nn.functional as F
 
+from torchtitan.config_manager import Augmentation
 from torchtitan.datasets.batch import Batch
 
 
-@dataclass(frozen=True)
-class AugmentParams:
-    """Which augmentations are on and how strong (the ``[augmentation]`` config section)."""
-
-    flips: bool = True
-    rot90: bool = False
-    rotate_deg: float = 0.0
-    scale: float = 0.0
-    contrast: float = 0.0
-    gamma: float = 0.0
-    noise_std: float = 0.0
-    blur_sigma: float = 0.0
-    resample_on: str = "auto"  # where EM is interpolated: "auto", "device" or "workers"
-
-    @classmethod
-    def from_config(cls, section) -> "AugmentParams":
-        return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__})
-
-    @property
-    def resamples(self) -> bool:
-        """Whether rotation or zoom is on (the sample is resampled from a larger box)."""
-        return self.rotate_deg > 0 or self.scale > 0
-
-    @property
-    def device_geometry(self) -> bool:
-        """Whether EM is rotated and zoomed on the device (see :func:`apply_geometry`);
-        ``resample_on="auto"`` chooses the device when CUDA is available."""
-        if not self.resamples:
-            return False
-        if self.resample_on == "auto":
-            return torch.cuda.is_available()
-        return self.resample_on == "device"
-
-    @property
-    def intensity(self) -> bool:
-        """Whether any intensity augmentation is on."""
-        return self.contrast > 0 or self.gamma > 0 or self.noise_std > 0 or self.blur_sigma > 0
+# Which augmentations are on and how strong is the config's ``[augmentation]`` section
+# (:class:`~torchtitan.config_manager.Augmentation`); what follows from it is derived here.
 
 
-NO_AUGMENTATION = AugmentParams(flips=False)
+def training_augmentation(augmentation: Augmentation | None, augment: bool) -> Augmentation:
+    """The augmentation a dataset applies: ``augmentation`` (default: the section's defaults)
+    when ``augment``, else none at all (validation streams)."""
+    if not augment:
+        return Augmentation(flips=False)
+    return augmentation if augmentation is not None else Augmentation()
+
+
+def resamples(aug: Augmentation) -> bool:
+    """Whether rotation or zoom is on (the sample is resampled from a larger box)."""
+    return aug.rotate_deg > 0 or aug.scale > 0
+
+
+def resamples_on_device(aug: Augmentation) -> bool:
+    """Whether EM is rotated and zoomed on the device (see :func:`apply_geometry`);
+    ``resample_on="auto"`` chooses the device when CUDA is available."""
+    if not resamples(aug):
+        return False
+    if aug.resample_on == "auto":
+        return torch.cuda.is_available()
+    return aug.resample_on == "device"
+
+
+def changes_intensity(aug: Augmentation) -> bool:
+    """Whether any intensity augmentation is on."""
+    return aug.contrast > 0 or aug.gamma > 0 or aug.noise_std > 0 or aug.blur_sigma > 0
 
 
 @dataclass
@@ -94,7 +85,7 @@ def _isotropic_pairs(shape, vox) -> list[tuple[int, int]]:
             if shape[a] == shape[b] and math.isclose(vox[a], vox[b], rel_tol=1e-6)]
 
 
-def draw_plan(rng: np.random.Generator, params: AugmentParams, shape, vox) -> Plan:
+def draw_plan(rng: np.random.Generator, params: Augmentation, shape, vox) -> Plan:
     """Draw one sample's augmentation. Flips come first and draw exactly what the earlier
     flips-only pipeline drew, so default settings reproduce its samples."""
     ndim = len(shape)
@@ -252,7 +243,7 @@ def _resample_separable(arr: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
 # :func:`augment_on_device` finishes both (:func:`apply_geometry`, :func:`apply_axis_map`).
 
 
-def max_read_shape(shape, vox, params: AugmentParams) -> tuple[int, ...]:
+def max_read_shape(shape, vox, params: Augmentation) -> tuple[int, ...]:
     """The largest :func:`read_shape` over every rotation and zoom ``params`` can draw for a
     sample of ``shape`` and voxel size ``vox`` (the fixed buffer shape)."""
     half = (np.asarray(shape, dtype=float) - 1) / 2
@@ -385,7 +376,7 @@ def apply_flips(arr: np.ndarray, plan: Plan) -> np.ndarray:
 BLUR_TRUNCATE = 3.0  # Gaussian kernels reach this many sigmas
 
 
-def intensity_params(plan: Plan, params: AugmentParams, vox,
+def intensity_params(plan: Plan, params: Augmentation, vox,
                      rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`apply_intensity` needs for one sample, drawn from its generator: the
     sample's ``intensity`` row and ``noise_seed``."""

@@ -27,7 +27,8 @@ from torchtitan.datasets.cellmap import (
     set_em_ranges,
 )
 from torchtitan.cellmap.classes import check_class_names
-from torchtitan.datasets.samples import MAESamples, SegmentationSamples, grid_shape, samples_kwargs
+from torchtitan.datasets.mae_samples import MAESamples
+from torchtitan.datasets.samples import SegmentationSamples, grid_shape, samples_kwargs
 from torchtitan.datasets.targets import annotates
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,8 @@ One sample is made in four steps:
    interpolation of rotated and zoomed EM and the flips of the labels (the sample carries
    ``geometry`` and ``label_axes`` for that, see ``augment.py``).
 
+MAE samples (``mae_samples.py``) are made the same way, without labels.
+
 Items are :class:`~torchtitan.datasets.batch.Sample` objects, arrays (C, *spatial). While a
 sample is made its arrays travel as a :class:`Box` (numpy, on the host).
 
@@ -41,19 +43,21 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchtitan.config_manager import Augmentation
 from torchtitan.datasets.augment import (
-    NO_AUGMENTATION,
-    AugmentParams,
     apply_flips,
     axis_map,
+    changes_intensity,
     device_geometry,
     draw_plan,
     intensity_params,
     max_read_shape,
-    nearest_from_geometry,
     read_shape,
     resample,
     resample_matrix,
+    resamples,
+    resamples_on_device,
+    training_augmentation,
 )
 from torchtitan.datasets.batch import Sample
 from torchtitan.datasets.cellmap import (
@@ -86,10 +90,6 @@ READ_ERRORS: tuple[type[BaseException], ...] = (ChunkReadError,)
 FG_COARSENING = 2
 FG_POINTS = 2048
 FG_CACHE = 256
-
-# MAE foreground filter: draws per sample before the best one is kept.
-FOREGROUND_DRAWS = 16
-
 
 def sample_rng(seed: int, index: int, attempt: int = 0) -> np.random.Generator:
     """The random generator that owns every choice made for global sample ``index`` (and for
@@ -149,14 +149,6 @@ def origin_range(box_min, box_max, size, min_fraction: float = 1.0,
     return lo, hi
 
 
-def foreground_fraction(image: np.ndarray) -> float:
-    """Fraction of EM voxels whose raw value is non-zero (>= 0.5 after interpolation), for
-    raw uint8 or normalised EM; padding outside the volume reads as zero."""
-    if image.dtype == np.uint8:
-        return float(np.mean(image > 0))
-    return float(np.mean(image > -1.0 + 0.5 / 127.5))
-
-
 def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
     """uint8 arrays (raw EM, masks) stay uint8 (a quarter of the bytes to ship from loader
     workers), int64 stays int64; everything else becomes float32."""
@@ -202,7 +194,7 @@ def read_em(source: EMSource, voxel_size, origin, shape,
             raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """EM of a box of the training grid and where it lies inside the volume: normalised
     float32, or with ``raw`` the uint8 values (only exact when the grids coincide, see
-    ``_SampleDataset._ships_raw_em``)."""
+    ``SampleDataset._ships_raw_em``)."""
     level = em_level(source, voxel_size)
     img, inside = read_linear(level, origin, np.asarray(voxel_size, dtype=float), shape)
     img = em_to_uint8_scale(img, source, level.path, inside)
@@ -246,28 +238,29 @@ class CropReader:
         return Box(box.image, valid, target, {}, box.geometry, box.label_axes)
 
 
-class _SampleDataset(Dataset):
-    """What both sample kinds share: EM reading, planes, geometry and the resample loop."""
+class SampleDataset(Dataset):
+    """What both sample kinds (:class:`SegmentationSamples` here, ``mae_samples.MAESamples``)
+    share: EM reading, planes, geometry and the resample loop."""
 
     sources: list[EMSource]
 
     def __init__(self, voxel_size, crop_size, seed: int, augment: bool,
-                 augmentation: AugmentParams | None, planes: str, max_resample: int):
+                 augmentation: Augmentation | None, planes: str, max_resample: int):
         self.voxel_size = np.asarray(voxel_size, dtype=float)
         self.crop_size = tuple(int(c) for c in crop_size)
         self.ndim = len(crop_size)
         self.shape = grid_shape(crop_size)
         self.seed = seed
         self.augment = augment
-        self.aug = (augmentation or AugmentParams()) if augment else NO_AUGMENTATION
+        self.aug = training_augmentation(augmentation, augment)
         if planes not in ("z", "zyx"):
             raise DatasetError(f"data.planes must be 'z' or 'zyx', got {planes!r}")
         self.planes = planes
         self.max_resample = int(max_resample)
         self.em_uint8 = False  # set by subclasses once their EM sources are known
         # Rotation or zoom: EM interpolated on the device (see _geometry) or here.
-        self.device_geometry = self.aug.device_geometry
-        self.host_geometry = self.aug.resamples and not self.device_geometry
+        self.device_geometry = resamples_on_device(self.aug)
+        self.host_geometry = resamples(self.aug) and not self.device_geometry
         self.image_buffer_shape: tuple[int, ...] | None = None
         if self.device_geometry:
             normals = (0, 1, 2) if self.ndim == 2 and planes == "zyx" else (0,)
@@ -345,7 +338,7 @@ class _SampleDataset(Dataset):
         def to_frame(arr: np.ndarray) -> np.ndarray:
             return np.take(arr, 0, axis=1 + normal) if self.ndim == 2 else arr
 
-        if not self.aug.resamples:
+        if not resamples(self.aug):
             return reader(origin, box).map(lambda a: apply_flips(to_frame(a), plan)), plan, vox
         if matrix is None:  # a draw of exactly no rotation and no zoom
             matrix = np.eye(len(keep))
@@ -385,7 +378,7 @@ class _SampleDataset(Dataset):
         sample = Sample(image=_tensor(box.image), valid=_tensor(box.valid),
                         target=_tensor(box.target), geometry=_tensor(box.geometry),
                         label_axes=_tensor(box.label_axes))
-        if self.aug.intensity:
+        if changes_intensity(self.aug):
             sample.intensity, sample.noise_seed = intensity_params(plan, self.aug, vox, rng)
         return sample
 
@@ -412,7 +405,7 @@ class _SampleDataset(Dataset):
         ) from error
 
 
-class SegmentationSamples(_SampleDataset):
+class SegmentationSamples(SampleDataset):
     """Random crops of EM with aligned binary targets and per-class validity masks.
 
     Item ``g`` is a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop)
@@ -436,7 +429,7 @@ class SegmentationSamples(_SampleDataset):
         seed: int,
         augment: bool = True,
         *,
-        augmentation: AugmentParams | None = None,
+        augmentation: Augmentation | None = None,
         planes: str = "z",
         min_label_fraction: float = 1.0,
         class_balanced: bool = False,
@@ -555,76 +548,11 @@ class SegmentationSamples(_SampleDataset):
         return self._finish(self.reader.compose(crop, box, shape), plan, vox, rng)
 
 
-class MAESamples(_SampleDataset):
-    """Random EM crops anywhere inside the EM volumes (no labels needed).
-
-    Item ``g``, a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop), ``valid``
-    (1, *crop) (0 where the crop leaves the volume: padding, excluded from the loss),
-    ``index``, ``resampled``, with intensity
-    augmentation ``intensity`` and ``noise_seed``, with rotation or zoom on the device
-    ``geometry`` and ``label_axes`` (see :class:`SegmentationSamples`), and with
-    ``num_patches`` > 0 the MAE masking ``noise`` (num_patches,), drawn from the sample's own
-    generator. With ``foreground_threshold`` > 0 the place is redrawn (from the same generator,
-    up to FOREGROUND_DRAWS times, keeping the best) until that fraction of the EM is non-zero.
-    """
-
-    def __init__(self, sources: list[EMSource], voxel_size, crop_size, seed: int,
-                 augment: bool = True, num_patches: int = 0, *,
-                 augmentation: AugmentParams | None = None, planes: str = "z",
-                 foreground_threshold: float = 0.0, max_resample: int = 10):
-        super().__init__(voxel_size, crop_size, seed, augment, augmentation, planes, max_resample)
-        self.sources = sources
-        self.num_patches = num_patches
-        self.foreground_threshold = float(foreground_threshold)
-        self.em_uint8 = self._ships_raw_em(sources)
-
-    def _read(self, source: EMSource, origin, shape) -> Box:
-        image, inside = read_em(source, self.voxel_size, origin, shape, raw=self.em_uint8)
-        return Box(image[None], valid=inside[None].view(np.uint8))
-
-    def _draw_once(self, rng: np.random.Generator):
-        normal = self._draw_normal(rng)
-        box = self._box(normal)
-        source = self.sources[int(rng.integers(len(self.sources)))]
-        level = self._em_level(source)
-        lo, hi = self._range(level.box_min, level.box_max, box)
-        origin = grid_origin_snapped(level, self.voxel_size, lo + rng.random(3) * (hi - lo))
-        return self._geometry(rng, level, origin, normal, lambda o, s: self._read(source, o, s))
-
-    def _foreground(self, box: Box) -> float:
-        """Foreground fraction of a drawn sample's EM (nearest neighbour when the EM is still
-        to be resampled on the device)."""
-        image = box.image
-        if box.geometry is None:
-            return foreground_fraction(image)
-        out_shape = box.valid.shape[1:]
-        raw = image if image.dtype == np.uint8 else np.rint((image + 1) * 127.5)
-        return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8), box.geometry,
-                                                   out_shape)))
-
-    def _draw(self, rng: np.random.Generator) -> Sample:
-        drawn = self._draw_once(rng)
-        if self.foreground_threshold > 0:
-            best, best_fraction = drawn, self._foreground(drawn[0])
-            for _ in range(FOREGROUND_DRAWS - 1):
-                if best_fraction >= self.foreground_threshold:
-                    break
-                drawn = self._draw_once(rng)
-                fraction = self._foreground(drawn[0])
-                if fraction > best_fraction:
-                    best, best_fraction = drawn, fraction
-            drawn = best
-        out = self._finish(*drawn, rng)
-        if self.num_patches:
-            out.noise = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
-        return out
-
-
 def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
     """Constructor keywords of :class:`SegmentationSamples` (``kind='segmentation'``) or
-    :class:`MAESamples` (``kind='mae'``) from a JobConfig's ``data`` and ``augmentation``."""
+    ``mae_samples.MAESamples`` (``kind='mae'``) from a JobConfig's ``data`` and ``augmentation``."""
     kwargs = {
-        "augmentation": AugmentParams.from_config(cfg.augmentation),
+        "augmentation": cfg.augmentation,
         "planes": cfg.data.planes,
         "max_resample": cfg.data.max_resample,
     }

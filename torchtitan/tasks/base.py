@@ -1,11 +1,19 @@
-"""What a task is to the trainer (:class:`Task`), and what it gets to validate with
-(:class:`ValidationContext`) instead of the trainer itself."""
+"""What a task is to the trainer (:class:`Task`), what it gets to validate with
+(:class:`ValidationContext`) instead of the trainer itself, and the picture writers a task may
+be handed (:class:`SegmentationVisuals`, :class:`MAEVisuals`).
+
+Pictures are a tool (``torchtitan/tools/visualization.py``), above the core: a task never
+imports them. The entry script hands the task a writer, e.g.
+``run(partial(SegmentationTask, visuals=write_validation_visuals))``; a task built without
+one (``visuals=None``, as in most tests) validates the same and writes no pictures."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -60,3 +68,24 @@ class Task(Protocol):
 
     def summary(self, scores: dict[str, float]) -> None:
         """Printed by rank 0 when training finishes."""
+
+
+class SegmentationVisuals(Protocol):
+    """Writes the pictures of one validation crop (the entry script hands in
+    ``torchtitan.tools.visualization.write_validation_visuals``)."""
+
+    def __call__(self, out_dir: Path, name: str, step: int, em: np.ndarray, truth: np.ndarray,
+                 pred: np.ndarray, classes: list[str], valid: np.ndarray | None = None,
+                 writer: Any = None) -> Any:
+        """``em`` (D, H, W); ``truth``, ``pred``, ``valid`` (K, D, H, W), one channel per
+        class of ``classes``; ``writer``: the TensorBoard SummaryWriter or None."""
+
+
+class MAEVisuals(Protocol):
+    """Writes the picture of one held-out MAE sample (the entry script hands in
+    ``torchtitan.tools.visualization.write_mae_visuals``)."""
+
+    def __call__(self, out_dir: Path, step: int, image: torch.Tensor, masked_image: torch.Tensor,
+                 reconstruction: torch.Tensor, writer: Any = None) -> Any:
+        """Input, input with hidden patches NaN, and reconstruction (hidden patches predicted),
+        each (C, *spatial)."""

@@ -21,9 +21,8 @@ from torchtitan.datasets.loader import build_mae_samples, load_em_sources
 from torchtitan.datasets.slices import build_slice_mae_samples, load_mae_slices
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
-from torchtitan.tasks.base import ValidationContext
+from torchtitan.tasks.base import MAEVisuals, ValidationContext
 from torchtitan.tasks.common import check_backbone
-from torchtitan.visualization import frames_to_tensorboard_image, mae_frame
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +36,11 @@ class MAETask:
     name = "mae"
     best_metric, best_higher = "val/reconstruction_loss", False  # marks the best checkpoint
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, visuals: MAEVisuals | None = None):
         self.cfg = cfg
+        # Writes the picture of a held-out sample; handed in by the entry script (a tool,
+        # which the core does not import). None: no pictures.
+        self.visuals = visuals
 
     def prepare(self) -> None:
         check_backbone(self.cfg)
@@ -81,8 +83,8 @@ class MAETask:
         return self._forward(model, batch)[2]
 
     def _picture(self, ctx: ValidationContext, batch: Batch, pred, mask) -> None:
-        """Input / masked input / reconstruction of the first held-out sample, as a PNG in
-        ``visuals/`` and a TensorBoard image."""
+        """Input / masked input / reconstruction of the first held-out sample, handed to the
+        picture writer (a PNG in ``visuals/`` and a TensorBoard image)."""
         m = self.cfg.model
         image = batch.image[:1].float().cpu()
         target = patchify(image, m.patch_size, m.ndim)
@@ -95,13 +97,8 @@ class MAETask:
         grid = [c // m.patch_size for c in m.crop_size]
         masked = unpatchify(target.masked_fill(hidden, float("nan")), m.patch_size, grid, m.in_chans)
         shown = unpatchify(torch.where(hidden, recon, target), m.patch_size, grid, m.in_chans)
-        frame = mae_frame(image[0], masked[0], shown[0], title=f"step {ctx.step}")
-        folder = Path(self.cfg.job.dump_folder) / "visuals"
-        folder.mkdir(parents=True, exist_ok=True)
-        frame.save(folder / f"mae_step{ctx.step}.png")
-        if ctx.writer is not None:
-            ctx.writer.add_image("visuals/mae", frames_to_tensorboard_image(frame),
-                                 global_step=ctx.step, dataformats="CHW")
+        self.visuals(Path(self.cfg.job.dump_folder) / "visuals", ctx.step, image[0], masked[0],
+                     shown[0], writer=ctx.writer)
 
     def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
         """Reconstruction loss on a fixed held-out set of crops, split evenly across dp ranks
@@ -117,7 +114,8 @@ class MAETask:
             batch = augment_on_device(batch)  # nothing to do without augmentation
             pred, mask, (s, c) = self._forward(model, batch)
             total += torch.stack([s.detach().double().cpu(), c.detach().double().cpu()])
-            if i == 0 and rank == 0 and ctx.writes_files:  # one picture, from global rank 0
+            if i == 0 and rank == 0 and ctx.writes_files and self.visuals is not None:
+                # one picture, from global rank 0
                 self._picture(ctx, batch, pred, mask)
         if ctx.dp_group is not None:
             dist.all_reduce(total, group=ctx.dp_group)

@@ -22,9 +22,8 @@ from torchtitan.models import (
     predict_probabilities,
     training_flops_per_sample,
 )
-from torchtitan.tasks.base import ValidationContext
+from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import check_backbone, most_forwards
-from torchtitan.visualization import write_validation_visuals
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +32,11 @@ class SegmentationTask:
     name = "segmentation"
     best_metric, best_higher = "val/mean_iou", True  # marks the best checkpoint
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, visuals: SegmentationVisuals | None = None):
         self.cfg = cfg
+        # Writes each validation crop's GIF and TensorBoard image; handed in by the entry
+        # script (a tool, which the core does not import). None: no pictures.
+        self.visuals = visuals
         self._val_cache: dict[str, dict[str, torch.Tensor]] = {}
 
     # -- data -----------------------------------------------------------------------------------
@@ -104,7 +106,8 @@ class SegmentationTask:
     def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
         """Predict each rank's whole validation crops (sliding window), score them the CellMap
         way (semantic IoU/Dice pooled over crops, instance scores per crop), and write a GIF
-        of each crop's EM, ground truth and prediction to ``dump_folder/visuals``."""
+        of each crop's EM, ground truth and prediction to ``dump_folder/visuals`` when the task
+        has a picture writer."""
         cfg, inf = self.cfg, self.cfg.inference
         classes = list(cfg.data.classes)
         mine = self.val_crops[ctx.dp_rank::ctx.dp_degree]
@@ -142,7 +145,7 @@ class SegmentationTask:
                 {classes[k]: pred[k] for k in annotated},
                 {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated},
                 {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))
-            if ctx.writes_files:
+            if ctx.writes_files and self.visuals is not None:
                 self._visualize(ctx, crop, vol, pred, classes)
         dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
         for _ in range(idle):
@@ -157,7 +160,7 @@ class SegmentationTask:
         return scores
 
     def _visualize(self, ctx: ValidationContext, crop, vol, pred, classes) -> None:
-        write_validation_visuals(
+        self.visuals(
             Path(self.cfg.job.dump_folder) / "visuals", crop.full_name, ctx.step,
             vol["image"][0].numpy(), vol["target"].numpy(), pred, classes,
             valid=vol["valid"].numpy(), writer=ctx.writer)

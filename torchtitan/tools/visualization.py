@@ -7,8 +7,10 @@ Everything here works on plain arrays (numpy, or torch tensors, which are conver
 * ``comparison_frames``: for evenly spaced z slices of a volume, one picture of
   [EM | EM + ground truth | EM + prediction] with titles and a legend.
 * ``grid_frames``: several volumes side by side in a grid, stepping through depth together.
-* ``save_gif``, ``frames_to_tensorboard_image``, ``write_validation_visuals``: output.
+* ``save_gif``, ``frames_to_tensorboard_image``: output.
 * ``mae_frame``: input / masked input / reconstruction of a masked autoencoder.
+* ``write_validation_visuals`` and ``write_mae_visuals``: the picture writers that the entry
+  scripts hand to the segmentation and MAE tasks (a tool: the tasks never import it).
 
 Axis order is (z, y, x) as everywhere in the project; masks are (K, D, H, W) with one channel
 per class, in the order of ``classes``. Small crops are upscaled by an integer factor with
@@ -702,4 +704,19 @@ def write_validation_visuals(
     if writer is not None:
         writer.add_image(f"visuals/{safe}", frames_to_tensorboard_image(frames[len(frames) // 2]),
                          global_step=step, dataformats="CHW")
+    return path
+
+
+def write_mae_visuals(out_dir, step: int, image, masked_image, reconstruction, writer=None) -> Path:
+    """Save the MAE picture of one held-out sample (arrays as in ``mae_frame``) as
+    ``out_dir/mae_step<step>.png`` and, given a TensorBoard ``SummaryWriter``, log it as image
+    ``visuals/mae`` at ``step``. Returns the PNG path."""
+    frame = mae_frame(image, masked_image, reconstruction, title=f"step {step}")
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"mae_step{step}.png"
+    frame.save(path)
+    if writer is not None:
+        writer.add_image("visuals/mae", frames_to_tensorboard_image(frame), global_step=step,
+                         dataformats="CHW")
     return path

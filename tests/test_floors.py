@@ -1,0 +1,299 @@
+"""The floors of the house plan (who may import whom), checked on the source.
+
+Every module of ``torchtitan/`` is parsed with ``ast`` (nothing is imported or run), and each
+``import torchtitan...`` / ``from torchtitan... import ...`` / relative ``from . import ...``
+statement is resolved to the modules of ours it names, wherever it stands (inside a function
+or an ``if TYPE_CHECKING`` block too: a lazy import is still an import). Then:
+
+* the core (every module outside ``torchtitan/tools/``) imports no tool;
+* the CellMap domain (``torchtitan/cellmap/``, floor 2) imports nothing of ours above it
+  (floor 1: the config modules and ``errors``);
+* the config (``config_manager`` and the ``config_*`` modules it is built from, floor 1)
+  imports nothing of ours but itself;
+* more generally, no module imports a module on a floor above its own (``FLOORS``), and on
+  floor 3 models and datasets know nothing of each other.
+
+The walker itself is tested on a small synthetic package, so that a rule cannot pass
+because the walker missed an import.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "torchtitan"
+
+
+# ---------------------------------------------------------------------------------------------
+# The walker
+# ---------------------------------------------------------------------------------------------
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``root/torchtitan/tasks/mae.py`` -> ``torchtitan.tasks.mae`` (a package's
+    ``__init__.py`` is the package itself)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute name of ``from <level dots><name> import ...`` written in ``module``."""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]  # a module's dots count from its package
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def imports_of(path: Path, root: Path, package: str = PACKAGE) -> set[str]:
+    """The modules of ``package`` that the source of ``path`` imports.
+
+    ``from X import a, b`` counts as importing ``X`` and, where ``X.a`` is a module or
+    package of ours, ``X.a`` too (``from torchtitan import evaluation``).
+    """
+    module = module_name(path, root)
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _resolve_relative(module, is_package, node.level, node.module)
+            else:
+                base = node.module or ""
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names
+                      if _exists(root, f"{base}.{alias.name}")}
+    return {name for name in found if name == package or name.startswith(package + ".")}
+
+
+def _exists(root: Path, name: str) -> bool:
+    path = root.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
+    """Module name -> the modules of ours it imports, for every ``.py`` under ``root/package``."""
+    return {module_name(p, root): imports_of(p, root, package)
+            for p in sorted((root / package).rglob("*.py"))}
+
+
+def within(name: str, prefix: str) -> bool:
+    """Whether module ``name`` is ``prefix`` or inside it; ``prefix`` may end in a shell
+    pattern (``torchtitan.config_*``: every ``config_...`` module or package)."""
+    parts = prefix.split(".")
+    return fnmatch.fnmatchcase(".".join(name.split(".")[: len(parts)]), prefix) and \
+        len(name.split(".")) >= len(parts)
+
+
+def violations(graph: dict[str, set[str]], modules: str, allowed: tuple[str, ...],
+               package: str = PACKAGE) -> dict[str, set[str]]:
+    """For every module within ``modules``: the modules of ours it imports that are neither
+    within ``modules`` itself nor within one of ``allowed``. The bare root package (its
+    ``__init__.py`` only checks the Python version) counts as below every floor."""
+    out = {}
+    for name, imported in graph.items():
+        if within(name, modules):
+            bad = {m for m in imported if m != package and not within(m, modules)
+                   and not any(within(m, a) for a in allowed)}
+            if bad:
+                out[name] = bad
+    return out
+
+
+def core_importing_tools(graph: dict[str, set[str]], package: str = PACKAGE) -> dict[str, set[str]]:
+    """Modules outside ``<package>.tools`` that import something of ``<package>.tools``."""
+    tools = f"{package}.tools"
+    out = {}
+    for name, imported in graph.items():
+        if not within(name, tools):
+            bad = {m for m in imported if within(m, tools)}
+            if bad:
+                out[name] = bad
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules, on the real package
+# ---------------------------------------------------------------------------------------------
+
+CONFIG = f"{PACKAGE}.config_*"  # config_manager and the config_* modules behind it
+FLOOR_1 = (CONFIG, f"{PACKAGE}.errors")
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(REPO)
+
+
+def test_the_walker_sees_the_package(graph):
+    """A sanity check: the graph holds the modules and edges we know to be there."""
+    assert {"torchtitan.trainer", "torchtitan.cellmap.labels", "torchtitan.tools.scoring"} <= set(graph)
+    assert "torchtitan.evaluation" in graph["torchtitan.tools.scoring"]
+    assert "torchtitan.models.vit" in graph["torchtitan.models.mae"]  # a relative import
+
+
+def test_the_core_imports_no_tool(graph):
+    """Floor 6 (tools: demo data, pictures, scoring, prediction I/O) sits above the core;
+    where the core needs a tool's work, the entry script hands it in."""
+    assert core_importing_tools(graph) == {}
+
+
+def test_the_domain_imports_nothing_above_it(graph):
+    """Floor 2: every other floor may ask the domain (``torchtitan.cellmap``); it asks none
+    of them, only floor 1."""
+    assert violations(graph, f"{PACKAGE}.cellmap", FLOOR_1) == {}
+
+
+def test_config_imports_nothing_of_ours(graph):
+    """Floor 1: the config (``config_manager`` and the ``config_*`` modules it is built from)
+    imports nothing of ours but itself."""
+    assert f"{PACKAGE}.config_manager" in graph
+    assert violations(graph, CONFIG, ()) == {}
+
+
+# Every module of ours on its floor (DESIGN.md, "Floors"), by the first prefix here that holds
+# it. A new top-level module or package gets a line here.
+FLOORS = {
+    CONFIG: 1,
+    f"{PACKAGE}.errors": 1,
+    f"{PACKAGE}.cellmap": 2,
+    f"{PACKAGE}.models": 3,
+    f"{PACKAGE}.datasets": 3,
+    f"{PACKAGE}.evaluation": 3,
+    f"{PACKAGE}.parallelisms": 4,
+    f"{PACKAGE}.checkpoint": 4,
+    f"{PACKAGE}.optimizer": 4,
+    f"{PACKAGE}.metrics": 4,
+    f"{PACKAGE}.inference": 4,
+    f"{PACKAGE}.convert": 4,  # .pth -> DCP seed checkpoints (beside checkpoint)
+    f"{PACKAGE}.preemption": 5,
+    f"{PACKAGE}.trainer": 5,
+    f"{PACKAGE}.tasks": 5,
+    f"{PACKAGE}.tools": 6,
+}
+
+
+def floor_of(name: str, floors: dict[str, int] = FLOORS) -> int | None:
+    owners = [prefix for prefix in floors if within(name, prefix)]
+    return floors[owners[0]] if owners else None
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) -> list[str]:
+    """``"a (floor i) imports b (floor j)"`` for every import of a higher floor."""
+    out = []
+    for name, imported in graph.items():
+        here = floor_of(name, floors)
+        for other in sorted(imported):
+            there = floor_of(other, floors)
+            if here is not None and there is not None and there > here:
+                out.append(f"{name} (floor {here}) imports {other} (floor {there})")
+    return out
+
+
+def test_every_module_has_a_floor(graph):
+    unplaced = [name for name in graph if name != PACKAGE and floor_of(name) is None]
+    assert unplaced == [], f"place {unplaced} on a floor in FLOORS (tests/test_floors.py)"
+
+
+def test_no_module_imports_a_floor_above_its_own(graph):
+    assert upward_imports(graph) == []
+
+
+def test_models_and_datasets_know_nothing_of_each_other(graph):
+    """Floor 3: models know nothing of data; datasets know nothing of models."""
+    assert all(not within(m, f"{PACKAGE}.datasets") for name, imported in graph.items()
+               if within(name, f"{PACKAGE}.models") for m in imported)
+    assert all(not within(m, f"{PACKAGE}.models") for name, imported in graph.items()
+               if within(name, f"{PACKAGE}.datasets") for m in imported)
+
+
+# ---------------------------------------------------------------------------------------------
+# The walker, on a synthetic package
+# ---------------------------------------------------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+CLEAN = {
+    "torchtitan/__init__.py": "",
+    "torchtitan/config_manager.py": "import os\nfrom .config_parsing import parse\n",
+    "torchtitan/config_parsing.py": "import tomllib\n",
+    "torchtitan/errors.py": "from torchtitan.config_manager import os\n",
+    "torchtitan/cellmap/__init__.py": "from .labels import rule\n",
+    "torchtitan/cellmap/labels.py": "from torchtitan.errors import os\nrule = 1\n",
+    "torchtitan/evaluation.py": "from torchtitan.cellmap.labels import rule\n",
+    "torchtitan/tasks/__init__.py": "",
+    "torchtitan/tasks/seg.py": "from .. import evaluation\nfrom . import base\n",
+    "torchtitan/tasks/base.py": "",
+    "torchtitan/tools/__init__.py": "",
+    "torchtitan/tools/pictures.py": "from torchtitan.tasks import seg\nimport numpy\n",
+}
+
+
+def test_walker_resolves_absolute_relative_and_from_package_imports(tmp_path):
+    _write(tmp_path, CLEAN)
+    g = import_graph(tmp_path)
+    assert g["torchtitan.cellmap"] == {"torchtitan.cellmap.labels"}
+    assert g["torchtitan.tasks.seg"] == {"torchtitan", "torchtitan.evaluation", "torchtitan.tasks",
+                                         "torchtitan.tasks.base"}
+    assert g["torchtitan.tools.pictures"] == {"torchtitan.tasks", "torchtitan.tasks.seg"}
+    assert g["torchtitan.config_manager"] == {"torchtitan.config_parsing"}
+    assert core_importing_tools(g) == {}
+    assert violations(g, "torchtitan.cellmap", FLOOR_1) == {}
+    assert violations(g, CONFIG, ()) == {}
+    assert upward_imports(g) == []
+
+
+def test_upward_imports_are_found(tmp_path):
+    _write(tmp_path, {**CLEAN, "torchtitan/evaluation.py": "from .tasks import seg\n"})
+    assert upward_imports(import_graph(tmp_path)) == [
+        "torchtitan.evaluation (floor 3) imports torchtitan.tasks (floor 5)",
+        "torchtitan.evaluation (floor 3) imports torchtitan.tasks.seg (floor 5)",
+    ]
+
+
+@pytest.mark.parametrize("path, source, rule", [
+    # The core importing a tool, in every spelling: absolute, from the package, relative,
+    # lazily inside a function.
+    ("torchtitan/tasks/seg.py", "from torchtitan.tools.pictures import draw\n", "tools"),
+    ("torchtitan/tasks/seg.py", "import torchtitan.tools.pictures\n", "tools"),
+    ("torchtitan/tasks/seg.py", "from torchtitan.tools import pictures\n", "tools"),
+    ("torchtitan/tasks/seg.py", "from ..tools import pictures\n", "tools"),
+    ("torchtitan/evaluation.py", "from .tools.pictures import draw\n", "tools"),
+    ("torchtitan/evaluation.py", "def f():\n    from torchtitan import tools\n", "tools"),
+    # The domain asking a floor above it.
+    ("torchtitan/cellmap/labels.py", "from torchtitan.evaluation import x\n", "cellmap"),
+    ("torchtitan/cellmap/labels.py", "from .. import evaluation\n", "cellmap"),
+    ("torchtitan/cellmap/__init__.py", "from ..tasks.seg import x\n", "cellmap"),
+    # The config importing anything of ours.
+    ("torchtitan/config_manager.py", "from torchtitan.errors import x\n", "config"),
+    ("torchtitan/config_manager.py", "from . import cellmap\n", "config"),
+    ("torchtitan/config_parsing.py", "import torchtitan.errors\n", "config"),
+])
+def test_each_rule_fails_on_a_forbidden_import(tmp_path, path, source, rule):
+    _write(tmp_path, {**CLEAN, path: source})
+    g = import_graph(tmp_path)
+    found = {
+        "tools": core_importing_tools(g),
+        "cellmap": violations(g, "torchtitan.cellmap", FLOOR_1),
+        "config": violations(g, CONFIG, ()),
+    }
+    assert found[rule], f"{rule} rule missed {source!r} in {path}"
+    assert module_name(tmp_path / path, tmp_path) in found[rule]

@@ -1,0 +1,214 @@
+"""Checks of a whole configuration that are ours, not a parser's: rules that relate several
+options (crop size vs. patch size, class weights vs. classes, ...), options that could not
+take effect, startup warnings, and the launch history of a run with the check that a resumed
+run still builds the model its checkpoints hold.
+
+Floor 1: imports only the standard library and the other config modules.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from torchtitan.config_parsing import (
+    ConfigError,
+    config_to_dict,
+    field_problems,
+    format_value,
+    read_toml,
+    save_config,
+)
+
+if TYPE_CHECKING:
+    from torchtitan.config_manager import JobConfig
+
+
+# ---------------------------------------------------------------------------------------
+# Validation of a whole config
+# ---------------------------------------------------------------------------------------
+
+
+def _cross_field_problems(config: JobConfig) -> list[str]:
+    """Rules that relate several fields; none of them needs to know the hardware.
+
+    Runs only on well-typed configs whose single-field rules hold (e.g. patch_size >= 1).
+    """
+    problems = []
+    model = config.model
+
+    if len(model.crop_size) != model.ndim:
+        axes = "(y, x)" if model.ndim == 2 else "(z, y, x)"
+        problems.append(
+            f"'model.crop_size' = {model.crop_size} has {len(model.crop_size)} entries but "
+            f"'model.ndim' = {model.ndim}; give one size per spatial axis {axes}"
+        )
+    not_multiple = [s for s in model.crop_size if s % model.patch_size]
+    if not_multiple:
+        problems.append(
+            f"'model.crop_size' = {model.crop_size} is not a multiple of 'model.patch_size' "
+            f"= {model.patch_size} (offending sizes: {not_multiple})"
+        )
+    if model.decoder_dim % model.decoder_num_heads:
+        problems.append(
+            f"'model.decoder_dim' = {model.decoder_dim} is not divisible by "
+            f"'model.decoder_num_heads' = {model.decoder_num_heads}"
+        )
+    anisotropic = len(set(config.data.voxel_size)) > 1
+    for key, planes, what in (("inference.planes", config.inference.planes, "runs the 2D model on"),
+                              ("data.planes", config.data.planes, "samples")):
+        if model.ndim == 2 and planes == "zyx" and anisotropic:
+            problems.append(
+                f"'{key}' = 'zyx' {what} zx and zy planes too, which needs an isotropic "
+                f"'data.voxel_size' (got {config.data.voxel_size}); use planes = 'z'")
+    if model.class_weights and len(model.class_weights) != len(config.data.classes):
+        problems.append(
+            f"'model.class_weights' has {len(model.class_weights)} entries but 'data.classes' "
+            f"has {len(config.data.classes)} ({', '.join(config.data.classes)}); give one weight "
+            "per class, or none"
+        )
+    problems += _ineffective_option_problems(config)
+    return problems
+
+
+def _ineffective_option_problems(config: JobConfig) -> list[str]:
+    """Combinations in which an option set by the user could not take effect."""
+    problems = []
+    ckpt = config.checkpoint
+    if config.lr_scheduler.decay_type == "constant" and config.lr_scheduler.min_lr_factor > 0:
+        problems.append(
+            f"'lr_scheduler.min_lr_factor' = {config.lr_scheduler.min_lr_factor} has no effect "
+            "with 'lr_scheduler.decay_type' = 'constant' (the LR never decays); use 'cosine' or "
+            "'linear', or leave min_lr_factor at 0"
+        )
+    if ckpt.initial_load_prefix_map and ckpt.initial_load_path and not ckpt.initial_load_model_only:
+        problems.append(
+            f"'checkpoint.initial_load_prefix_map' = {ckpt.initial_load_prefix_map} has no effect "
+            "with 'checkpoint.initial_load_model_only' = false (a full checkpoint is restored "
+            "under its own keys); set initial_load_model_only = true to rename the model's keys"
+        )
+    if ckpt.export_dtype != "float32" and not ckpt.last_save_model_only:
+        problems.append(
+            f"'checkpoint.export_dtype' = {ckpt.export_dtype!r} has no effect unless "
+            "'checkpoint.last_save_model_only' = true (it sets the dtype of that export)"
+        )
+    if config.data.em_range and config.data.dataset_name:
+        problems.append(
+            f"'data.em_range' = {config.data.em_range} has no effect with 'data.dataset_name' = "
+            f"{config.data.dataset_name!r} (a slices dataset holds uint8 images); leave it empty"
+        )
+    return problems
+
+
+def config_warnings(config: JobConfig) -> list[str]:
+    """Legal but probably unintended combinations, logged once at startup.
+
+    ``training.warmup_steps > training.steps`` stays legal: a run is extended by resuming it
+    with a larger ``training.steps`` (the warmup is unchanged while it lasts), and debug runs
+    shorten a config with ``--training.steps``.
+    """
+    out = []
+    training = config.training
+    if training.warmup_steps > training.steps:
+        out.append(
+            f"'training.warmup_steps' = {training.warmup_steps} is more than 'training.steps' = "
+            f"{training.steps}: the learning rate never reaches its peak 'optimizer.lr' = "
+            f"{config.optimizer.lr:g} in this run (fine when the run is extended later by "
+            "resuming with a larger training.steps)"
+        )
+    return out
+
+
+def validate(config: JobConfig) -> None:
+    """Check a whole config; raise one ConfigError that lists every problem found.
+
+    Covers field types and the rules declared with :func:`opt` (again, for configs built in
+    code) plus cross-field rules. Rules that need the world size (e.g. batch size divisible
+    by the data-parallel degree) are checked where the device mesh is built.
+    """
+    problems = field_problems(config)
+    if not problems:  # cross-field rules assume well-typed fields
+        problems = _cross_field_problems(config)
+    if problems:
+        source = config.job.config_file
+        where = f" (config file: {source})" if source else ""
+        raise ConfigError(
+            f"invalid configuration{where}:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Launch history and resume compatibility
+# ---------------------------------------------------------------------------------------
+
+
+# Keys that decide the model's parameters (their names and shapes) or what its output channels
+# mean: a run's checkpoints only fit a model built with the same values. Per task; others
+# (lr, steps, crop_size, loss, augmentation, ...) may change between launches of one run.
+MODEL_SHAPING_KEYS: dict[str, tuple[str, ...]] = {
+    "segmentation": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
+                     "data.classes", "model.head", "model.head_channels",
+                     "model.backbone_out_layers"),
+    "mae": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
+            "model.decoder_dim", "model.decoder_depth", "model.decoder_num_heads"),
+}
+
+FIRST_LAUNCH_CONFIG = "config.toml"  # the first launch's resolved config, never overwritten
+
+
+def launch_configs(dump_folder: str | os.PathLike) -> list[str]:
+    """The resolved configs of a run's launches, oldest first: ``config.toml`` (launch 1),
+    then ``config.launch-2.toml``, ``config.launch-3.toml``, ... beside it."""
+    first = os.path.join(dump_folder, FIRST_LAUNCH_CONFIG)
+    if not os.path.isfile(first):
+        return []
+    later = []
+    for name in os.listdir(dump_folder):
+        number = name[len("config.launch-"):-len(".toml")]
+        if name.startswith("config.launch-") and name.endswith(".toml") and number.isdigit():
+            later.append((int(number), os.path.join(dump_folder, name)))
+    return [first] + [path for _, path in sorted(later)]
+
+
+def save_launch_config(config: JobConfig, dump_folder: str | os.PathLike) -> str:
+    """Keep this launch's resolved config beside the earlier ones (see :func:`launch_configs`)
+    and return its path; an earlier launch's file is never overwritten."""
+    previous = launch_configs(dump_folder)
+    name = FIRST_LAUNCH_CONFIG if not previous else f"config.launch-{len(previous) + 1}.toml"
+    path = os.path.join(dump_folder, name)
+    save_config(config, path)
+    return path
+
+
+_MISSING = object()
+
+
+def _dotted(values: dict[str, dict[str, Any]], key: str) -> Any:
+    section, name = key.split(".", 1)
+    return values.get(section, {}).get(name, _MISSING)
+
+
+def check_resume_compatible(config: JobConfig, dump_folder: str | os.PathLike,
+                            task: str) -> None:
+    """Raise one :class:`ConfigError` naming every model-shaping key (see
+    :data:`MODEL_SHAPING_KEYS`) whose value differs from the latest launch of the run in
+    ``dump_folder``, whose checkpoints this launch is about to resume. No-op without a
+    previous launch config."""
+    history = launch_configs(dump_folder)
+    if not history:
+        return
+    previous = history[-1]
+    old = read_toml(previous)
+    new = config_to_dict(config)
+    changed = []
+    for key in MODEL_SHAPING_KEYS.get(task, ()):
+        before, after = _dotted(old, key), _dotted(new, key)
+        if before is not _MISSING and before != after:  # a key older configs lack: not compared
+            changed.append(f"{key}: {format_value(before)} -> {format_value(after)}")
+    if changed:
+        raise ConfigError(
+            f"cannot resume the run in {dump_folder}: its checkpoints hold a different model. "
+            f"Changed since {previous}: " + "; ".join(changed) + ". Put these values back to "
+            "resume, or start a new job.dump_folder (with checkpoint.initial_load_path pointing "
+            "at this run's checkpoint folder to warm-start from its weights)"
+        )
