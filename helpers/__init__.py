@@ -2,3 +2,36 @@
 checkpoint conversion. Thin: they parse arguments and call ``torchtitan``. A package (installed
 with the project, see pyproject.toml) so that they and the tests can import each other's
 functions without editing the import path."""
+
+import argparse
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """The argument parser of a helper script: its docstring's first paragraph as the
+    description, the rest (usage examples, outputs) as the epilog, kept as written."""
+    summary, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(description=summary, epilog=rest or None,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_gif_args(parser: argparse.ArgumentParser) -> None:
+    """The output options both plot helpers share."""
+    parser.add_argument("--out", required=True, help="output GIF")
+    parser.add_argument("--png", default=None, help="also save the middle frame as this PNG")
+    parser.add_argument("--max_frames", type=int, default=32,
+                        help="number of depth steps (z slices) at most (default: 32)")
+    parser.add_argument("--duration_ms", type=int, default=150, help="time per frame (default: 150)")
+
+
+def write_gif(frames, args: argparse.Namespace, what: str) -> None:
+    """Save the frames as ``--out`` (and the middle one as ``--png``) and say so."""
+    from pathlib import Path
+
+    from torchtitan.tools.visualization import save_gif
+
+    path = save_gif(frames, args.out, duration_ms=args.duration_ms)
+    print(f"wrote {path} ({len(frames)} frames, {frames[0].width}x{frames[0].height} px, {what})")
+    if args.png:
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        frames[len(frames) // 2].save(args.png)
+        print(f"wrote {args.png}")

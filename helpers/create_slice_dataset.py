@@ -50,6 +50,7 @@ from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import annotates
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
+from helpers import script_parser
 
 NO_TOKEN_EXIT = 2
 
@@ -169,9 +170,7 @@ def parse_axes(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = script_parser(__doc__)
     parser.add_argument("--zarr", required=True, help="a folder of <ds>/<ds>.zarr stores, or one <ds>.zarr")
     parser.add_argument("--out", required=True, help="output folder (Dataset.save_to_disk)")
     parser.add_argument("--voxel_size", default="8", type=parse_voxel_size,

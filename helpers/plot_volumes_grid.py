@@ -13,8 +13,8 @@ from its tile; its unannotated voxels are hatched.
 
 import argparse
 import sys
-from pathlib import Path
 
+from helpers import add_gif_args, script_parser, write_gif
 from helpers.plot_volumes_single import (
     all_crops,
     canonical_order,
@@ -24,26 +24,21 @@ from helpers.plot_volumes_single import (
     parse_voxel_size,
     read_crop_volume,
 )
-from torchtitan.tools.visualization import grid_frames, save_gif
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.errors import run_cli
+from torchtitan.tools.visualization import grid_frames
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = script_parser(__doc__)
     parser.add_argument("--data", required=True, help="folder of <ds>/<ds>.zarr stores, or one <ds>.zarr")
     parser.add_argument("--crops", default=None,
                         help="comma-separated crops, e.g. crop1,jrc_synth-2/crop7 (default: all)")
     parser.add_argument("--classes", default=None, help="comma-separated classes (default: all annotated)")
     parser.add_argument("--voxel_size", default=None, help="nm, 'z,y,x' or one number (default: each EM's)")
-    parser.add_argument("--out", required=True, help="output GIF")
-    parser.add_argument("--png", default=None, help="also save the middle frame as this PNG")
     parser.add_argument("--cols", type=int, default=4, help="tiles per row (default: 4)")
     parser.add_argument("--tile_px", type=int, default=256, help="tile size in pixels (default: 256)")
-    parser.add_argument("--max_frames", type=int, default=32, help="number of depth steps at most (default: 32)")
-    parser.add_argument("--duration_ms", type=int, default=150, help="time per frame (default: 150)")
+    add_gif_args(parser)
     return parser.parse_args(argv)
 
 
@@ -65,12 +60,7 @@ def main(argv=None) -> None:
                       "title": f"{crop.full_name} ({size} nm)"})
     frames = grid_frames(tiles, classes, cols=args.cols, max_frames=args.max_frames, tile_px=args.tile_px,
                          title=f"{len(tiles)} crops of {args.data}")
-    path = save_gif(frames, args.out, duration_ms=args.duration_ms)
-    print(f"wrote {path} ({len(frames)} frames, {len(tiles)} crops, {frames[0].width}x{frames[0].height} px)")
-    if args.png:
-        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-        frames[len(frames) // 2].save(args.png)
-        print(f"wrote {args.png}")
+    write_gif(frames, args, f"{len(tiles)} crops")
 
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from helpers import add_gif_args, script_parser, write_gif
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.cellmap.ome_ngff import read_multiscales
 from torchtitan.datasets.cellmap import (
@@ -37,9 +38,9 @@ from torchtitan.datasets.cellmap import (
 )
 from torchtitan.datasets.samples import crop_grid
 from torchtitan.datasets.targets import annotates, read_target
-from torchtitan.tools.scoring import prediction_level
-from torchtitan.tools.visualization import CLASS_COLORS, comparison_frames, save_gif
 from torchtitan.errors import run_cli
+from torchtitan.tools.scoring import prediction_level
+from torchtitan.tools.visualization import CLASS_COLORS, comparison_frames
 
 # ---------------------------------------------------------------------------------------------
 # Finding and reading crops (shared with plot_volumes_grid.py)
@@ -162,20 +163,15 @@ def prediction_classes(pred_root, crop: LabelCrop) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = script_parser(__doc__)
     parser.add_argument("--zarr", required=True, help="a <ds>.zarr store, or a folder of <ds>/<ds>.zarr stores")
     parser.add_argument("--crop", default=None, help="crop name, e.g. crop3 or jrc_synth-1/crop3 (default: the first)")
     parser.add_argument("--classes", default=None,
                         help="comma-separated classes (default: those predicted, else all the crop annotates)")
     parser.add_argument("--voxel_size", default=None, help="nm, 'z,y,x' or one number (default: the EM's)")
     parser.add_argument("--predictions", default=None, help="prediction zarr in the submission layout")
-    parser.add_argument("--out", required=True, help="output GIF")
-    parser.add_argument("--png", default=None, help="also save the middle frame as this PNG")
-    parser.add_argument("--max_frames", type=int, default=32, help="at most this many z slices (default: 32)")
-    parser.add_argument("--duration_ms", type=int, default=150, help="time per frame (default: 150)")
     parser.add_argument("--scale", type=int, default=None, help="integer zoom (default: ~256 px per panel)")
+    add_gif_args(parser)
     return parser.parse_args(argv)
 
 
@@ -194,13 +190,7 @@ def main(argv=None) -> None:
     title = f"{crop.full_name}   {'x'.join(map(str, vol['shape']))} voxels of {size} nm"
     frames = comparison_frames(vol["em"], vol["truth"], pred, classes, valid=vol["valid"],
                                max_frames=args.max_frames, scale=args.scale, title=title)
-    path = save_gif(frames, args.out, duration_ms=args.duration_ms)
-    print(f"wrote {path} ({len(frames)} frames, {frames[0].width}x{frames[0].height} px, "
-          f"classes: {', '.join(classes)})")
-    if args.png:
-        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-        frames[len(frames) // 2].save(args.png)
-        print(f"wrote {args.png}")
+    write_gif(frames, args, f"classes: {', '.join(classes)}")
 
 
 
