@@ -71,3 +71,28 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def train_losses(dump: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(dump / "logs" / "metrics.jsonl") if "loss" in r}
+
+
+def assert_meta_init_is_finite(model) -> None:
+    """A model built on the meta device and materialised with NaN everywhere comes out of
+    ``init_weights`` with every parameter and buffer finite (nothing is left uninitialised)."""
+    import torch
+
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(float("nan"))
+    model.init_weights()
+    for key, value in model.state_dict().items():
+        assert torch.isfinite(value).all(), key
+
+
+def debug_run(script: str, config: str, data, dump, *extra: str, nproc: int = 0,
+              timeout: int = 600):
+    """Run ``script`` with ``config`` on ``data`` into ``dump`` (no progress bar) and check it
+    exits 0; returns the completed process."""
+    r = launch(script, ["--job.config_file", config, "--data.dataset_path", str(data),
+                        "--job.dump_folder", str(dump), "--no-metrics.progress_bar", *extra],
+               nproc=nproc, timeout=timeout)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return r

@@ -15,6 +15,8 @@ from torchtitan.models.losses import LOSSES, masked_bce_loss, soft_dice_loss
 from torchtitan.models.segmentation import UpConvHead
 from torchtitan.tasks.segmentation import SegmentationTask
 
+from conftest import assert_meta_init_is_finite
+
 HEADS = ("linear", "upconv", "multiscale")
 # (input size, output size): non-cubic, and an output size unlike the input's.
 SIZES = {2: ((32, 48), (40, 30)), 3: ((16, 32, 24), (20, 36, 12))}
@@ -114,13 +116,7 @@ def test_unknown_head():
 def test_meta_init(head, ndim):
     with torch.device("meta"):
         model = seg_model(ndim, head)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            t.fill_(float("nan"))
-    model.init_weights()
-    for key, value in model.state_dict().items():
-        assert torch.isfinite(value).all(), key
+    assert_meta_init_is_finite(model)
     size, out_size = SIZES[ndim]
     out = model(torch.randn(2, 1, *size), output_size=out_size)
     assert out.shape == (2, 3, *out_size) and torch.isfinite(out).all()

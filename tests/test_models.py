@@ -28,6 +28,8 @@ from torchtitan.models.attention import attention
 from torchtitan.models.mae import patchify, random_masking, unpatchify
 from torchtitan.models.segmentation import backbone_out_indices
 
+from conftest import assert_meta_init_is_finite
+
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 
 
@@ -219,13 +221,7 @@ def test_meta_init_of_mae_and_segmentation():
         mae = MaskedAutoencoder(build_backbone("vit_debug", ndim=2, in_chans=1), decoder_dim=32, decoder_num_heads=2)
         seg = SegmentationModel(build_backbone("vit_debug", ndim=2, in_chans=1), num_classes=3)
     for model in (mae, seg):
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                t.fill_(float("nan"))
-        model.init_weights()
-        for key, value in model.state_dict().items():
-            assert torch.isfinite(value).all(), key
+        assert_meta_init_is_finite(model)
     x = torch.randn(2, 1, 32, 32)
     pred, mask = mae(x, 0.75, torch.rand(2, 4))
     assert torch.isfinite(mae.loss_terms(x, pred, mask)[0]) and torch.isfinite(seg(x)).all()

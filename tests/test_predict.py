@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import launch
+from conftest import debug_run, launch
 from torchtitan.datasets.cellmap import discover
 from torchtitan.datasets.samples import crop_grid
 
@@ -14,11 +14,8 @@ from torchtitan.datasets.samples import crop_grid
 @pytest.fixture(scope="module")
 def trained(demo_data, tmp_path_factory):
     dump = tmp_path_factory.mktemp("pred") / "run"
-    r = launch("train_segmentation.py", [
-        "--job.config_file", "train_configs/debug_segmentation_2d.toml",
-        "--data.dataset_path", str(demo_data), "--job.dump_folder", str(dump),
-        "--training.steps", "2", "--no-metrics.progress_bar"], nproc=0)
-    assert r.returncode == 0, r.stderr[-3000:]
+    debug_run("train_segmentation.py", "train_configs/debug_segmentation_2d.toml", demo_data,
+              dump, "--training.steps", "2")
     return dump
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import launch
+from conftest import debug_run, launch
 
 CLASSES = ("nuc", "mito", "er", "cell")
 
@@ -19,11 +19,8 @@ CLASSES = ("nuc", "mito", "er", "cell")
 def seed_run(demo_data, tmp_path_factory):
     """A run folder with a model-only step-0 checkpoint and its config.toml (no training)."""
     dump = tmp_path_factory.mktemp("predout") / "run"
-    r = launch("train_segmentation.py", [
-        "--job.config_file", "train_configs/debug_segmentation_2d.toml",
-        "--data.dataset_path", str(demo_data), "--job.dump_folder", str(dump),
-        "--checkpoint.create_seed_checkpoint", "--no-metrics.progress_bar"], nproc=0, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    debug_run("train_segmentation.py", "train_configs/debug_segmentation_2d.toml", demo_data,
+              dump, "--checkpoint.create_seed_checkpoint", timeout=300)
     return dump
 
 

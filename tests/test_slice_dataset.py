@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, launch, read_jsonl
+from conftest import REPO, debug_run, launch, read_jsonl
 
 datasets = pytest.importorskip("datasets")
 
@@ -237,19 +237,23 @@ def test_config_mismatches_are_clear_errors(slices):
 # ---------------------------------------------------------------------------------------------
 
 
+def _train_from_slices(script, config, slices, tmp_path, dump, steps: int) -> list[dict]:
+    """Train ``steps`` steps on 2 processes from a slices dataset, with no zarr store at the
+    data path; checks each step's loss is logged and finite, returns the metrics records."""
+    debug_run(script, config, tmp_path / "no_zarr_here", dump, "--data.dataset_name", str(slices),
+              "--training.steps", str(steps), "--metrics.log_freq", "1",
+              "--checkpoint.interval", str(steps), nproc=2)
+    records = read_jsonl(dump / "logs" / "metrics.jsonl")
+    losses = [r for r in records if "loss" in r]
+    assert [r["step"] for r in losses] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss"]) for r in losses)
+    return records
+
+
 @pytest.mark.distributed
 def test_training_from_slices_without_the_zarr_stores(slices, tmp_path):
     dump = tmp_path / "run"
-    result = launch("train_segmentation.py", [
-        "--job.config_file", SEG2D, "--data.dataset_name", str(slices),
-        "--data.dataset_path", str(tmp_path / "no_zarr_here"), "--job.dump_folder", str(dump),
-        "--training.steps", "3", "--metrics.log_freq", "1", "--checkpoint.interval", "3",
-        "--no-metrics.progress_bar"], nproc=2)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    records = read_jsonl(dump / "logs" / "metrics.jsonl")
-    losses = [r for r in records if "loss" in r]
-    assert [r["step"] for r in losses] == [1, 2, 3]
-    assert all(math.isfinite(r["loss"]) for r in losses)
+    records = _train_from_slices("train_segmentation.py", SEG2D, slices, tmp_path, dump, 3)
     val = [r for r in records if "val/mean_iou" in r]  # held-out crops, stacked from slices
     assert val and val[-1]["step"] == 3 and math.isfinite(val[-1]["val/mean_iou"])
     assert (dump / "checkpoint" / "step-3" / ".metadata").is_file()
@@ -447,15 +451,6 @@ def test_training_from_original_schema_slices(original_slices, tmp_path):
 @pytest.mark.distributed
 def test_mae_training_from_slices(original_slices, tmp_path):
     dump = tmp_path / "run"
-    result = launch("train_mae.py", [
-        "--job.config_file", MAE2D, "--data.dataset_name", str(original_slices),
-        "--data.dataset_path", str(tmp_path / "no_zarr_here"), "--job.dump_folder", str(dump),
-        "--training.steps", "2", "--metrics.log_freq", "1", "--checkpoint.interval", "2",
-        "--no-metrics.progress_bar"], nproc=2)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    records = read_jsonl(dump / "logs" / "metrics.jsonl")
-    losses = [r for r in records if "loss" in r]
-    assert [r["step"] for r in losses] == [1, 2]
-    assert all(math.isfinite(r["loss"]) for r in losses)
+    records = _train_from_slices("train_mae.py", MAE2D, original_slices, tmp_path, dump, 2)
     val = [r for r in records if "val/reconstruction_loss" in r]
     assert val and math.isfinite(val[-1]["val/reconstruction_loss"])

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LossFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+LossTerms = tuple[Tensor, Tensor]  # (sum of the loss terms, their count)
+LossFn = Callable[[Tensor, Tensor, Tensor], LossTerms]
+ClassWeights = Tensor | Sequence[float] | None  # one weight per class, or none
 
 DICE_EPS = 1.0  # smoothing: an empty class predicted empty scores a perfect 0 loss
 
@@ -49,7 +51,7 @@ def _safe_targets(targets: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(valid, targets, torch.zeros_like(targets))
 
 
-def _class_weights(class_weights: Tensor | Sequence[float] | None, logits: Tensor) -> Tensor | None:
+def _class_weights(class_weights: ClassWeights, logits: Tensor) -> Tensor | None:
     """(K,) weights -> (1, K, 1, ...) on the logits' device and dtype, or None."""
     if class_weights is None:
         return None
@@ -61,7 +63,7 @@ def _class_weights(class_weights: Tensor | Sequence[float] | None, logits: Tenso
     return w.view(1, -1, *([1] * (logits.dim() - 2)))
 
 
-def _bce_per_sample(logits, targets, valid, class_weights) -> tuple[Tensor, Tensor]:
+def _bce_per_sample(logits, targets, valid, class_weights) -> LossTerms:
     """Weighted BCE summed over the valid entries of each sample, and their number: (B,), (B,)."""
     v = _valid_mask(valid, logits)
     t = _safe_targets(targets, v, logits.dtype)
@@ -73,7 +75,7 @@ def _bce_per_sample(logits, targets, valid, class_weights) -> tuple[Tensor, Tens
     return bce.flatten(1).sum(1), v.flatten(1).sum(1).to(logits.dtype)
 
 
-def _dice_per_pair(logits, targets, valid, eps: float) -> tuple[Tensor, Tensor]:
+def _dice_per_pair(logits, targets, valid, eps: float) -> LossTerms:
     """Soft Dice loss of each (sample, class) pair over its valid voxels, and whether the pair
     has any valid voxel: (B, K) floats, (B, K) bools."""
     v = _valid_mask(valid, logits)
@@ -88,8 +90,8 @@ def _dice_per_pair(logits, targets, valid, eps: float) -> tuple[Tensor, Tensor]:
 
 # ----------------------------------------------------------------------------- losses
 def masked_bce_loss(
-    logits: Tensor, targets: Tensor, valid: Tensor, class_weights: Tensor | Sequence[float] | None = None
-) -> tuple[Tensor, Tensor]:
+    logits: Tensor, targets: Tensor, valid: Tensor, class_weights: ClassWeights = None
+) -> LossTerms:
     """Binary cross-entropy with logits: (sum over valid entries, number of valid entries).
 
     One term per valid (voxel, class) entry, so ``sum / count`` is the mean BCE over them.
@@ -98,13 +100,8 @@ def masked_bce_loss(
     return total.sum(), count.sum()
 
 
-def soft_dice_loss(
-    logits: Tensor,
-    targets: Tensor,
-    valid: Tensor,
-    class_weights: Tensor | Sequence[float] | None = None,
-    eps: float = DICE_EPS,
-) -> tuple[Tensor, Tensor]:
+def soft_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
+                   class_weights: ClassWeights = None, eps: float = DICE_EPS) -> LossTerms:
     """Soft Dice on sigmoid probabilities, one term per (sample, class) pair.
 
     For each pair, over its valid voxels: ``1 - (2 sum(p t) + eps) / (sum(p) + sum(t) + eps)``.
@@ -119,13 +116,8 @@ def soft_dice_loss(
     return total, has_valid.sum().to(logits.dtype)
 
 
-def bce_dice_loss(
-    logits: Tensor,
-    targets: Tensor,
-    valid: Tensor,
-    class_weights: Tensor | Sequence[float] | None = None,
-    eps: float = DICE_EPS,
-) -> tuple[Tensor, Tensor]:
+def bce_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
+                  class_weights: ClassWeights = None, eps: float = DICE_EPS) -> LossTerms:
     """BCE + soft Dice, one term per sample.
 
     BCE has one term per valid voxel and Dice one per annotated (sample, class) pair, so their
@@ -155,8 +147,8 @@ def _with_background(logits: Tensor) -> Tensor:
 
 
 def cross_entropy_loss(
-    logits: Tensor, targets: Tensor, valid: Tensor, class_weights: Tensor | Sequence[float] | None = None
-) -> tuple[Tensor, Tensor]:
+    logits: Tensor, targets: Tensor, valid: Tensor, class_weights: ClassWeights = None
+) -> LossTerms:
     """Softmax cross-entropy for mutually exclusive classes with an implicit background.
 
     The model has one channel per class; the background gets a fixed logit of 0, so the
@@ -195,7 +187,7 @@ def _check_loss_name(name: str) -> None:
         raise ValueError(f"Unknown loss {name!r}; available: {', '.join(LOSSES)}")
 
 
-def build_loss(name: str, class_weights: Tensor | Sequence[float] | None = None) -> LossFn:
+def build_loss(name: str, class_weights: ClassWeights = None) -> LossFn:
     """``loss(logits, targets, valid) -> (sum, count)`` for a loss name of ``LOSSES``.
 
     ``class_weights`` (K,) may be a tensor or a list; an empty list means no weights.

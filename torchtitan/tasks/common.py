@@ -30,3 +30,12 @@ def most_forwards(count: int, ctx) -> int:
     most = torch.tensor(count, dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ctx.dp_group)
     return int(most)
+
+
+class TaskBase:
+    """What every task holds: the run's config and the picture writer it was built with
+    (handed in by the entry script, a tool the core does not import; None: no pictures)."""
+
+    def __init__(self, cfg, visuals=None):
+        self.cfg = cfg
+        self.visuals = visuals

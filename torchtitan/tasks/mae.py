@@ -21,8 +21,8 @@ from torchtitan.datasets.loader import build_mae_samples, load_em_sources
 from torchtitan.datasets.slices import build_slice_mae_samples, load_mae_slices
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
-from torchtitan.tasks.base import MAEVisuals, ValidationContext
-from torchtitan.tasks.common import check_backbone
+from torchtitan.tasks.base import ValidationContext
+from torchtitan.tasks.common import TaskBase, check_backbone
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +32,11 @@ VAL_SEED_OFFSET = 1_000_003
 VAL_SAMPLES = 32
 
 
-class MAETask:
+class MAETask(TaskBase):
+    """MAE pretraining; ``visuals`` (:class:`~torchtitan.tasks.base.MAEVisuals`) draws a held-out sample."""
+
     name = "mae"
     best_metric, best_higher = "val/reconstruction_loss", False  # marks the best checkpoint
-
-    def __init__(self, cfg, visuals: MAEVisuals | None = None):
-        self.cfg = cfg
-        # Writes the picture of a held-out sample; handed in by the entry script (a tool,
-        # which the core does not import). None: no pictures.
-        self.visuals = visuals
 
     def prepare(self) -> None:
         check_backbone(self.cfg)

@@ -23,20 +23,20 @@ from torchtitan.models import (
     training_flops_per_sample,
 )
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
-from torchtitan.tasks.common import check_backbone, most_forwards
+from torchtitan.tasks.common import TaskBase, check_backbone, most_forwards
 
 logger = logging.getLogger(__name__)
 
 
-class SegmentationTask:
+class SegmentationTask(TaskBase):
+    """Supervised segmentation; ``visuals`` (:class:`SegmentationVisuals`) writes each
+    validation crop's GIF and TensorBoard image."""
+
     name = "segmentation"
     best_metric, best_higher = "val/mean_iou", True  # marks the best checkpoint
 
     def __init__(self, cfg, visuals: SegmentationVisuals | None = None):
-        self.cfg = cfg
-        # Writes each validation crop's GIF and TensorBoard image; handed in by the entry
-        # script (a tool, which the core does not import). None: no pictures.
-        self.visuals = visuals
+        super().__init__(cfg, visuals)
         self._val_cache: dict[str, dict[str, torch.Tensor]] = {}
 
     # -- data -----------------------------------------------------------------------------------
