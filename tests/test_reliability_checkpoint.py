@@ -136,7 +136,12 @@ def _check_disk_full(demo_data, tmp_path, rank, extra=()):
     assert f"previous checkpoint {ckpt / 'step-2'} is intact" in out
     assert _tmp_entries(ckpt) == []
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == ["step-2"]
-    assert _logged_steps(dump) == [1, 2, 3, 4]
+    if "async" in extra:
+        # A background save is finished (and its failure found) at the next save or at the
+        # end of the run, so the steps after it have trained; the resume drops their records.
+        assert _logged_steps(dump)[:4] == [1, 2, 3, 4]
+    else:
+        assert _logged_steps(dump) == [1, 2, 3, 4]
     # The previous checkpoint loads: the same command resumes from it and finishes.
     r = launch("train_segmentation.py", args)
     _ok(r)
