@@ -6,16 +6,23 @@
     torchrun --nproc_per_node 4 predict.py --checkpoint model.pth --config run/config.toml \
         --dataset jrc_hela-2 --out hela2.zarr          # blocks split across ranks
     python predict.py --checkpoint outputs/run/checkpoint --manifest test_crops.csv \
-        --out submission.zarr --tta --planes zyx       # every crop of a manifest, no labels
+        --out pred.zarr --tta --planes zyx       # every crop of a manifest, no labels
+    python predict.py --checkpoint outputs/run/checkpoint --manifest test_crop_manifest.csv \
+        --out pred.zarr --instances --submission submission.zarr   # + the challenge's layout
 
 ``--manifest`` takes a CSV with the columns crop_name, dataset, origin_z/y/x (nm, outer corner
-of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm); see torchtitan/tools/predictor.py.
+of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm), or the challenge's test-crop
+manifest (crop_name, dataset, class_label, voxel_size, translation, shape); see
+torchtitan/tools/predictor.py. ``--submission SUB.zarr`` also writes the challenge's
+submission layout (every test crop and class on the crop's own grid; SUB.zip for upload) and
+checks it with the submission linter (torchtitan/tools/submission.py).
 ``--tta`` averages over the flips of each window and ``--planes zyx`` makes a 2D model predict
 yx, zx and zy planes and average them; both override the run's ``[inference]`` settings.
 
 The run's ``config.toml`` (found next to the checkpoint, or given with --config) rebuilds the
-model; the output is OME-NGFF zarr that napari and neuroglancer open, in the CellMap
-submission layout for crops (``PRED.zarr/crop<N>/<class>``). See torchtitan/tools/predictor.py.
+model; the output is OME-NGFF zarr that napari and neuroglancer open (multiscale pyramids of
+at least 3 levels, 64^3 chunks), laid out as ``PRED.zarr/crop<N>/<class>`` for crops. See
+torchtitan/tools/predictor.py.
 """
 
 import argparse
@@ -52,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--instances", action="store_true",
                    help="instance ids (connected components) for CellMap instance classes")
     p.add_argument("--batch_size", type=int, default=0, help="windows per forward (default: config)")
+    p.add_argument("--submission", metavar="SUB.zarr",
+                   help="also write the challenge's submission layout of the predicted crops "
+                        "(--manifest or --crops) here, zip it (SUB.zip) and check it")
+    p.add_argument("--pyramid_levels", type=int, default=0,
+                   help="levels s0.. of each output group (default 0: at least 3, until the "
+                        "largest side is <= 64 voxels)")
     p.add_argument("--max_block_mb", type=float, default=1024,
                    help="memory for one output block's buffers, MiB (default 1024)")
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -30,6 +30,13 @@ alternating their order over --repeats and reporting the median:
   raw[chunks]  the same reads through torchtitan.datasets.zarr_chunks, the chunk reader
            ours uses instead of zarr-python (it decodes the chunk files with the same
            numcodecs codecs); ours / raw[chunks] is what everything but reading costs.
+  raw[ts]  the same reads through TensorStore (torchtitan.datasets.stores.TensorStoreArray,
+           what the loader uses for remote, sharded and N5 arrays), from the local files,
+           with its chunk cache off (--ts-cache-mb, default 0: a real dataset is far larger
+           than any cache, so samples seldom share chunks; the store here would fit).
+  raw[ts-http]  the same through TensorStore from a local HTTP server (python -m http.server
+           serving --data, a separate process whose CPU time is not counted; its wall time
+           is). Skipped with --no-http.
   cellmap  cellmap-data (the official loader) on the same crops, classes, crop size, voxel
            size, batch size and workers, with its mirror + transpose augmentation, run by
            bench/cellmap_data_loader.py under --cellmap-python (a separate environment,
@@ -220,10 +227,12 @@ def time_batches(batches, skip: int, n: int) -> tuple[float, float]:
     it = iter(batches)
     for _ in range(skip):
         next(it)
-    start, cpu = time.perf_counter(), tree_cpu_seconds()
+    server = _HTTP["pid"]  # a child too, but serving is not the reader's cost
+    start, cpu, cpu_server = time.perf_counter(), tree_cpu_seconds(), _proc_cpu(server)
     for _ in range(n):
         next(it)
-    return time.perf_counter() - start, tree_cpu_seconds() - cpu
+    served = _proc_cpu(server) - cpu_server if server else 0.0
+    return time.perf_counter() - start, tree_cpu_seconds() - cpu - served
 
 
 def _rates(args, seconds: float, cpu: float) -> tuple[float, float]:
@@ -247,24 +256,64 @@ def run_ours(cfg, samples, args, repeat: int) -> tuple[float, float]:
 # Raw zarr reads of the same crops
 # ---------------------------------------------------------------------------------------------
 
-_ARRAYS: dict[tuple[str, bool], object] = {}
+_ARRAYS: dict[tuple[str, str], object] = {}
+RAW_KINDS = {"raw": "zarr", "raw[chunks]": "chunks", "raw[ts]": "ts", "raw[ts-http]": "ts-http"}
+_HTTP = {"url": "", "root": "", "pid": 0}  # the local HTTP server of raw[ts-http]
 
 
-def _array(path: str, direct: bool = False):
-    """zarr-python's handle, or with ``direct`` the chunk reader our loader uses."""
-    arr = _ARRAYS.get((path, direct))
+def _array(path: str, kind: str = "zarr"):
+    """The handle of one reader: zarr-python (``zarr``), the chunk reader our loader uses
+    (``chunks``), TensorStore on the file (``ts``) or over the local HTTP server (``ts-http``)."""
+    arr = _ARRAYS.get((path, kind))
     if arr is None:
-        if direct:
+        if kind == "chunks":
             from torchtitan.datasets.zarr_chunks import open_fast
 
             arr = open_fast(path)
             assert arr is not None, f"{path}: not readable by zarr_chunks"
+        elif kind in ("ts", "ts-http"):
+            from torchtitan.datasets import stores
+
+            where = path
+            if kind == "ts-http":
+                where = _HTTP["url"] + "/" + Path(path).relative_to(_HTTP["root"]).as_posix()
+            arr = stores.open_tensorstore(where)
         else:
             import zarr
 
             arr = zarr.open_array(path, mode="r")
-        _ARRAYS[(path, direct)] = arr
+        _ARRAYS[(path, kind)] = arr
     return arr
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of one process, 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_http_server(root: Path) -> subprocess.Popen:
+    """``python -m http.server`` serving ``root`` on a free local port (for raw[ts-http])."""
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                             str(port), "--directory", str(root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    _HTTP.update(url=f"http://127.0.0.1:{port}", root=str(root), pid=proc.pid)
+    return proc
 
 
 def _index_box(level, origin_nm, shape) -> tuple[slice, ...]:
@@ -297,19 +346,21 @@ def raw_draws(samples, crops, classes, n: int, seed: int, crop: int) -> list[lis
     return draws
 
 
-def _read_sample(reads, direct: bool = False) -> int:
+def _read_sample(reads, kind: str = "zarr") -> int:
     nbytes = 0
     for path, box in reads:
-        data = _array(path, direct)[box]
+        data = _array(path, kind)[box]
         assert data.shape == tuple(s.stop - s.start for s in box), (path, box, data.shape)
         nbytes += data.nbytes
     return nbytes
 
 
-def run_raw(draws, args, direct: bool = False) -> tuple[float, float]:
+def run_raw(draws, args, kind: str = "zarr") -> tuple[float, float]:
     per_batch = [draws[i:i + args.batch_size] for i in range(0, len(draws), args.batch_size)]
+    # TensorStore's threads do not survive fork(): the parent never reads with it, each
+    # forked worker starts its own.
     ctx = mp.get_context("fork")
-    read = functools.partial(_read_sample, direct=direct)
+    read = functools.partial(_read_sample, kind=kind)
     if args.workers == 0:
         results = (sum(read(r) for r in b) for b in per_batch)
         timed = time_batches(results, args.skip, args.batches)
@@ -464,10 +515,10 @@ def run_profile(samples, n: int, draws) -> None:
     for reads in draws[1:n + 1]:
         _read_sample(reads)
     raw = time.process_time() - start
-    _read_sample(draws[0], direct=True)
+    _read_sample(draws[0], kind="chunks")
     start = time.process_time()
     for reads in draws[1:n + 1]:
-        _read_sample(reads, direct=True)
+        _read_sample(reads, kind="chunks")
     direct = time.process_time() - start
     print(f"one process, {n} samples, CPU time: ours {ours / n * 1e3:.0f} ms/sample (profiled), "
           f"raw zarr reads {raw / n * 1e3:.0f} ms/sample (raw / ours = {raw / ours:.2f}), "
@@ -529,6 +580,10 @@ def main() -> None:
     p.add_argument("--cellmap-python", default=None,
                    help="python of an environment with cellmap-data installed")
     p.add_argument("--quick", action="store_true", help="1 repeat of 4 batches")
+    p.add_argument("--ts-cache-mb", type=int, default=0,
+                   help="raw[ts], raw[ts-http]: TensorStore chunk cache per process, MiB "
+                        "(default 0: off)")
+    p.add_argument("--no-http", action="store_true", help="skip raw[ts-http]")
     p.add_argument("--duration", type=float, default=0,
                    help="memory mode: run our loader this many seconds")
     p.add_argument("--interval", type=float, default=2.0, help="memory mode: seconds per sample")
@@ -557,7 +612,13 @@ def main() -> None:
                                                      args.profile + 1, args.seed, args.crop))
         return
 
-    readers = ["raw", "raw[chunks]", *[f"ours[{a}]" for a in augments]]
+    from torchtitan.datasets import stores
+
+    stores.configure(stores.StoreSettings(cache_bytes=args.ts_cache_mb << 20))
+    server = None if args.no_http else start_http_server(args.data)
+    readers = ["raw", "raw[chunks]", "raw[ts]", *[f"ours[{a}]" for a in augments]]
+    if server:
+        readers.insert(3, "raw[ts-http]")
     readers += ["cellmap"] if args.cellmap_python else []
     rates: dict[str, list[float]] = {r: [] for r in readers}
     failures = {}
@@ -567,7 +628,7 @@ def main() -> None:
             if reader.startswith("raw"):
                 draws = raw_draws(samples, crops, args.classes, n_draws, args.seed + 1000 + repeat,
                                   args.crop)
-                rates[reader].append(run_raw(draws, args, direct=reader == "raw[chunks]"))
+                rates[reader].append(run_raw(draws, args, kind=RAW_KINDS[reader]))
             elif reader.startswith("ours"):
                 cfg_a, samples_a = built[reader[5:-1]]
                 rates[reader].append(run_ours(cfg_a, samples_a, args, repeat))
@@ -612,6 +673,13 @@ def main() -> None:
         print(f"{reader:12s} {cells[0]:>19s} {cells[1]:>19s} {vs_raw:>9s} {vs_chunks:>17s} "
               f"{vs_cm:>13s}")
     print("ratios: wall / CPU; targets: ours / raw at least 0.8, ours / cellmap at least 2")
+    for r in ("raw[ts]", "raw[ts-http]"):
+        if r in med and "raw[chunks]" in med:
+            print(f"{r} / raw[chunks] (wall / CPU): "
+                  f"{med[r][0] / med['raw[chunks]'][0]:.2f} / {med[r][1] / med['raw[chunks]'][1]:.2f}")
+    if server:
+        server.terminate()
+        server.wait()
 
 
 if __name__ == "__main__":

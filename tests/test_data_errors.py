@@ -321,7 +321,7 @@ def test_split_list_without_val_entries_is_split_by_val_crops(tmp_path):
     ("no_crop", ["line 1", "crop9", "does not exist"]),
     ("no_class", ["line 1", "no class group ['er']", "remove those classes"]),
     ("twice", ["line 2", "jrc_t-1/crop1", "already listed at", "line 1"]),
-    ("remote", ["line 1", "s3://bucket/jrc_t-1.zarr", "remote URL"]),
+    ("remote", ["line 1", "ftp://host/jrc_t-1.zarr", "unsupported URL", "s3://bucket/path"]),
     ("suffix", ["not a split list", ".csv"]),
     ("toml_key", ["[[train]] entry 1", "'crops'", "'emm'"]),
     ("toml_no_zarr", ["is not inside a .zarr store", "name ="]),
@@ -336,7 +336,7 @@ def test_split_list_errors(tmp_path, case, fragments):
         "no_crop": _csv_row("train", store, "crop9"),
         "no_class": _csv_row("train", store, "crop1", ["mito", "er"]),
         "twice": good + _csv_row("validate", store, "crop1", ["nuc"]),
-        "remote": _csv_row("train", "s3://bucket/jrc_t-1.zarr", "crop1"),
+        "remote": _csv_row("train", "ftp://host/jrc_t-1.zarr", "crop1"),
         "toml_key": f'[[train]]\nemm = "{store / EM}"\n',
         "toml_no_zarr": f'[[train]]\nem = "{tmp_path}"\n',
     }.get(case, good)

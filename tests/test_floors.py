@@ -140,7 +140,8 @@ def graph() -> dict[str, set[str]]:
 def test_the_walker_sees_the_package(graph):
     """A sanity check: the graph holds the modules and edges we know to be there."""
     assert {"torchtitan.trainer", "torchtitan.cellmap.labels", "torchtitan.tools.scoring"} <= set(graph)
-    assert "torchtitan.evaluation" in graph["torchtitan.tools.scoring"]
+    assert "torchtitan.scoring" in graph["torchtitan.tools.scoring"]
+    assert "torchtitan.evaluation" in graph["torchtitan.scoring"]
     assert "torchtitan.models.vit" in graph["torchtitan.models.mae"]  # a relative import
 
 
@@ -172,6 +173,8 @@ FLOORS = {
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.datasets": 3,
     f"{PACKAGE}.evaluation": 3,
+    f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances (beside evaluation)
+    f"{PACKAGE}.scoring": 3,  # scoring prediction stores (python -m torchtitan.evaluation)
     f"{PACKAGE}.parallelisms": 4,
     f"{PACKAGE}.checkpoint": 4,
     f"{PACKAGE}.optimizer": 4,

@@ -14,6 +14,7 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
 from torchtitan.datasets import cellmap
+from torchtitan.datasets.stores import TensorStoreArray
 from torchtitan.datasets.zarr_chunks import ChunkedArray, open_fast
 
 SHAPE = (21, 34, 19)  # not a multiple of the chunks: edge chunks are partial
@@ -127,7 +128,7 @@ def test_float_nan_fill_value(tmp_path, zarr_format):
     assert np.isnan(open_fast(path)[0:3, 0:3, 0:3]).all()
 
 
-def test_layouts_left_to_zarr_python(tmp_path):
+def test_layouts_left_to_tensorstore(tmp_path):
     kinds = {
         "sharded": dict(shards=(16, 32, 14)),
         "crc32c": dict(compressors=[ZstdCodec(level=1), Crc32cCodec()]),
@@ -138,9 +139,11 @@ def test_layouts_left_to_zarr_python(tmp_path):
         arr = zarr.create_array(path, shape=SHAPE, chunks=CHUNKS, dtype="uint8", zarr_format=3, **kw)
         arr[...] = _data("u1")
         assert open_fast(path) is None, name
-        # ... and cellmap.open_array falls back to zarr-python, which reads them.
+        # ... and cellmap.open_array reads them with TensorStore.
         cellmap._ARRAY_CACHE.clear()
-        np.testing.assert_array_equal(cellmap.open_array(path)[2:9, 3:20, 0:19], _data("u1")[2:9, 3:20, 0:19])
+        arr = cellmap.open_array(path)
+        assert isinstance(arr, TensorStoreArray), name
+        np.testing.assert_array_equal(arr[2:9, 3:20, 0:19], _data("u1")[2:9, 3:20, 0:19])
     assert open_fast(tmp_path / "missing.zarr") is None
     assert open_fast("s3://bucket/a.zarr") is None
 

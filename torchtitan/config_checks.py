@@ -67,6 +67,12 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
             f"has {len(config.data.classes)} ({', '.join(config.data.classes)}); give one weight "
             "per class, or none"
         )
+    unknown = [c for c in config.inference.fill_holes_classes if c not in config.data.classes]
+    if unknown:
+        problems.append(
+            f"'inference.fill_holes_classes' names {unknown}, which 'data.classes' does not hold "
+            f"({', '.join(config.data.classes)}); name classes the model predicts, or none (= all)"
+        )
     problems += _ineffective_option_problems(config)
     return problems
 
@@ -91,6 +97,12 @@ def _ineffective_option_problems(config: JobConfig) -> list[str]:
         problems.append(
             f"'checkpoint.export_dtype' = {ckpt.export_dtype!r} has no effect unless "
             "'checkpoint.last_save_model_only' = true (it sets the dtype of that export)"
+        )
+    if config.inference.fill_holes_classes and config.inference.fill_holes == "none":
+        problems.append(
+            f"'inference.fill_holes_classes' = {config.inference.fill_holes_classes} has no effect "
+            "with 'inference.fill_holes' = 'none'; set fill_holes = 'planes' or 'volume', or "
+            "leave fill_holes_classes empty"
         )
     if config.data.em_range and config.data.dataset_name:
         problems.append(

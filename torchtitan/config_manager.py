@@ -173,6 +173,12 @@ class Optimizer:
         0.95, "Adam beta2 (second-moment decay).", check=BELOW_ONE
     )
     eps: float = opt(1e-8, "Adam epsilon.", check=POSITIVE)
+    layer_decay: float = opt(
+        1.0, "Layer-wise LR decay for fine-tuning (BEiT/MAE): the backbone's block i of L gets "
+        "lr * layer_decay^(L - i), its embeddings lr * layer_decay^(L + 1); the head and the "
+        "final norm get lr. 1 = off; 0.65-0.85 is usual after pretraining.",
+        check=FRACTION,
+    )
 
 
 @dataclass
@@ -336,6 +342,12 @@ class Data:
         check=(lambda v: v == [] or (len(v) == 2 and v[0] < v[1]),
                "must be empty or two numbers [min, max] with min < max"),
     )
+    cache_mb: int = opt(
+        256,
+        "Chunk cache of arrays read with TensorStore (remote s3:// gs:// http(s):// stores, "
+        "sharded zarr, N5), MiB per process (each loader worker has its own); 0 = no cache.",
+        min=0,
+    )
 
 
 @dataclass
@@ -454,6 +466,27 @@ class Inference:
         "z", "2D models on 3D volumes: 'z' predicts yx planes along z; 'zyx' also predicts zx "
         "and zy planes and averages the three (isotropic data.voxel_size only; 3D models "
         "ignore it).", choices=("z", "zyx"))
+    # Post-processing of the masks (torchtitan/postprocess.py): validation reports it as
+    # val_post/... beside the raw val/... scores; predict.py applies it to the masks it writes.
+    min_object_nm3: float = opt(
+        0.0, "Post-processing: remove predicted objects (connected components, every class) "
+        "smaller than this volume in nm^3, so that it holds at any voxel size (0 = keep all; "
+        "e.g. 1e6 = a 100 nm cube).", min=0)
+    fill_holes: str = opt(
+        "none", "Post-processing: fill holes of the masks of fill_holes_classes: 'planes' in "
+        "each yx plane on its own (2D models), 'volume' closed 3D cavities, 'none'.",
+        choices=("none", "planes", "volume"))
+    fill_holes_classes: list[str] = opt(
+        [], "Classes whose holes fill_holes fills (names from data.classes; empty = every class).")
+    instances: str = opt(
+        "components", "Post-processing: how instance classes are split into objects (val_post/ "
+        "scores, predict.py --instances): 'components' (connected components) or 'watershed' "
+        "(touching objects split at narrow necks of the distance map).",
+        choices=("components", "watershed"))
+    watershed_neck_ratio: float = opt(
+        0.5, "instances = 'watershed': two touching objects stay apart when the neck between "
+        "them is thinner than this fraction of the smaller one's thickness (higher: more "
+        "splits).", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
 
 
 @dataclass

@@ -42,9 +42,10 @@ score (over instance classes) and the challenge score, their geometric mean.
 
 Scoring a submission
 --------------------
-Reading a prediction store and the ground truth, and the command
-``python -m torchtitan.tools.scoring``, are a tool (``torchtitan/tools/scoring.py``) built on
-these metrics; the core never imports it.
+``python -m torchtitan.evaluation --predictions PRED.zarr --groundtruth DATA`` scores a
+prediction store with the challenge's metric (current or previous version,
+``--metric-version``); reading the stores and the challenge's aggregation live in
+``torchtitan/scoring.py`` (floor 3, beside these metrics), which this entry point runs.
 """
 
 from __future__ import annotations
@@ -422,3 +423,14 @@ def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
         if value is not None:
             out[f"val/{key}"] = float(value)
     return out
+
+
+def main(argv=None) -> int:
+    """``python -m torchtitan.evaluation``: score a prediction store (see ``torchtitan.scoring``)."""
+    from torchtitan.scoring import main as score_main
+
+    return score_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -27,27 +28,45 @@ UNIT = "nanometer"
 # ---------------------------------------------------------------------------------------------
 
 
-def read_attrs(group_path: Path) -> dict:
+# A metadata reader: the parsed JSON document at a location (local path or URL), None when
+# absent. The default reads local files; ``torchtitan.datasets.stores.read_json`` also reads
+# remote stores (S3, GCS, HTTP), so the functions below work on either.
+JsonReader = Callable[[str], "dict | None"]
+
+
+def read_local_json(location: str) -> dict | None:
+    """A local JSON file, parsed; None when it does not exist."""
+    p = Path(location)
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def child(location, name: str) -> str:
+    """``location/name`` for a local path or a URL (``s3://``, ``https://``, ...)."""
+    location = str(location)
+    if "://" in location:
+        return location.rstrip("/") + "/" + name
+    return str(Path(location) / name)
+
+
+def read_attrs(group_path, read_json: JsonReader = read_local_json) -> dict:
     """Attributes of a zarr group, format 2 (.zattrs) or 3 (zarr.json); {} when it has none."""
-    v2 = group_path / ".zattrs"
-    if v2.is_file():
-        return json.loads(v2.read_text())
-    v3 = group_path / "zarr.json"
-    if v3.is_file():
-        return json.loads(v3.read_text()).get("attributes", {})
+    v2 = read_json(child(group_path, ".zattrs"))
+    if v2 is not None:
+        return v2
+    v3 = read_json(child(group_path, "zarr.json"))
+    if v3 is not None:
+        return v3.get("attributes", {})
     return {}
 
 
-def array_shape(array_path: Path) -> tuple[int, ...]:
+def array_shape(array_path, read_json: JsonReader = read_local_json) -> tuple[int, ...]:
     """Shape of a zarr array (format 2 or 3), from its metadata alone."""
-    v2 = array_path / ".zarray"
-    if v2.is_file():
-        return tuple(json.loads(v2.read_text())["shape"])
-    v3 = array_path / "zarr.json"
-    if v3.is_file():
-        meta = json.loads(v3.read_text())
-        if meta.get("node_type") == "array":
-            return tuple(meta["shape"])
+    v2 = read_json(child(array_path, ".zarray"))
+    if v2 is not None:
+        return tuple(v2["shape"])
+    meta = read_json(child(array_path, "zarr.json"))
+    if meta is not None and meta.get("node_type") == "array":
+        return tuple(meta["shape"])
     raise DatasetError(f"{array_path}: not a zarr array (no .zarray or zarr.json)")
 
 
@@ -56,11 +75,14 @@ def is_multiscale_group(attrs: dict) -> bool:
     return "multiscales" in attrs or "ome" in attrs
 
 
-def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
+def read_multiscales(group_path: str | os.PathLike,
+                     read_json: JsonReader = read_local_json) -> list[ScaleLevel]:
     """Read the OME-NGFF ``multiscales`` of a group (0.4 in zarr format 2 ``.zattrs``, or 0.5
-    under ``ome`` in a zarr format 3 ``zarr.json``): one ScaleLevel per dataset path."""
-    group_path = Path(group_path)
-    attrs = read_attrs(group_path)
+    under ``ome`` in a zarr format 3 ``zarr.json``): one ScaleLevel per dataset path. A URL
+    group needs a ``read_json`` that reads remote documents."""
+    if "://" not in str(group_path):
+        group_path = Path(group_path)
+    attrs = read_attrs(group_path, read_json)
     ms = attrs.get("multiscales") or attrs.get("ome", {}).get("multiscales")
     if not ms:
         raise DatasetError(
@@ -95,8 +117,8 @@ def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
                 scale = tuple(float(s) for s in t["scale"])
             elif t["type"] == "translation":
                 translation = tuple(float(s) for s in t["translation"])
-        path = group_path / ds["path"]
-        shape = array_shape(path)
+        path = child(group_path, ds["path"])
+        shape = array_shape(path, read_json)
         if len(shape) != 3:
             raise DatasetError(f"{path}: expected a 3D (z, y, x) array, got shape {shape}")
         if min(scale) <= 0:
@@ -105,10 +127,11 @@ def read_multiscales(group_path: str | os.PathLike) -> list[ScaleLevel]:
     return levels
 
 
-def stored_intensity_range(group_path: str | os.PathLike) -> tuple[float, float] | None:
+def stored_intensity_range(group_path: str | os.PathLike,
+                           read_json: JsonReader = read_local_json) -> tuple[float, float] | None:
     """The intensity window an image group stores (OME-NGFF ``omero`` channel 0, 0.4 or under
     ``ome``): ``start``/``end``, else ``min``/``max``; None when it stores none."""
-    attrs = read_attrs(Path(group_path))
+    attrs = read_attrs(group_path, read_json)
     omero = attrs.get("omero") or attrs.get("ome", {}).get("omero")
     try:
         window = omero["channels"][0]["window"]
@@ -176,3 +199,103 @@ def write_multiscale_array_group(parent, path: str, levels: list[np.ndarray], sc
         level_chunks = tuple(min(c, n) for c, n in zip(chunks, data.shape))
         group.create_array(f"s{k}", data=data, chunks=level_chunks, fill_value=fill_value)
     return group
+
+
+# ---------------------------------------------------------------------------------------------
+# Pyramids of a written level s0 (prediction output): 2x mean or mode, block by block
+# ---------------------------------------------------------------------------------------------
+
+# Chunks that viewers (neuroglancer, napari) fetch quickly: 64^3 voxels, about 256 KiB of uint8.
+VIEW_CHUNKS = (64, 64, 64)
+
+
+def pyramid_shapes(shape0, n_levels: int) -> list[tuple[int, ...]]:
+    """Shapes of a 2x pyramid: level k has ``ceil(shape_{k-1} / 2)`` voxels per axis, so an
+    odd side keeps its last voxel (its block is completed by repeating the edge)."""
+    shapes = [tuple(int(s) for s in shape0)]
+    for _ in range(1, n_levels):
+        shapes.append(tuple(-(-s // 2) for s in shapes[-1]))
+    return shapes
+
+
+def auto_pyramid_levels(shape0, minimum: int = 3, coarsest_side: int = 64) -> int:
+    """Levels until the largest side is at most ``coarsest_side`` voxels, never fewer than
+    ``minimum``."""
+    n, side = 1, max(int(s) for s in shape0)
+    while side > coarsest_side:
+        side, n = -(-side // 2), n + 1
+    return max(minimum, n)
+
+
+def _pad_even(block: np.ndarray) -> np.ndarray:
+    """Repeat the last plane of every odd-sized axis, so 2x2x2 blocks tile the array."""
+    pad = [(0, s % 2) for s in block.shape]
+    return np.pad(block, pad, mode="edge") if any(p for _, p in pad) else block
+
+
+def downsample_mean(block: np.ndarray) -> np.ndarray:
+    """2x mean downsampling (probabilities, intensities); float output for float input,
+    rounded for integers."""
+    b = _pad_even(block)
+    nz, ny, nx = (s // 2 for s in b.shape)
+    mean = b.reshape(nz, 2, ny, 2, nx, 2).mean(axis=(1, 3, 5), dtype=np.float64)
+    if np.issubdtype(block.dtype, np.integer):
+        return np.rint(mean).astype(block.dtype)
+    return mean.astype(block.dtype)
+
+
+def downsample_mode(block: np.ndarray) -> np.ndarray:
+    """2x mode downsampling (masks, label and instance ids): the most frequent value of each
+    2x2x2 block, ties to the smaller value (so a half-filled block of a 0/1 mask is 0)."""
+    b = _pad_even(block)
+    nz, ny, nx = (s // 2 for s in b.shape)
+    cells = b.reshape(nz, 2, ny, 2, nx, 2).transpose(0, 2, 4, 1, 3, 5).reshape(-1, 8)
+    out = cells[:, 0].copy()
+    mixed = np.flatnonzero((cells != out[:, None]).any(axis=1))
+    if mixed.size:
+        sub = np.sort(cells[mixed], axis=1)
+        # Run lengths in each sorted row: the longest run is the mode, the first (smallest) wins.
+        counts = (sub[:, :, None] == sub[:, None, :]).sum(axis=2)
+        out[mixed] = sub[np.arange(sub.shape[0]), np.argmax(counts, axis=1)]
+    return out.reshape(nz, ny, nx)
+
+
+DOWNSAMPLERS = {"mean": downsample_mean, "mode": downsample_mode}
+
+
+def write_pyramid(group, n_levels: int, method: str, chunks=VIEW_CHUNKS,
+                  max_block_voxels: int = 2**24) -> None:
+    """Add levels ``s1 .. s{n_levels-1}`` to a multiscale group whose ``s0`` is written, each
+    the 2x ``method`` ("mean" or "mode") downsampling of the level before, and rewrite the
+    group's ``multiscales`` for every level (the other attributes are kept).
+
+    Works block by block (blocks of whole chunks of the coarser level, at most
+    ``max_block_voxels`` of it), so levels of volumes larger than memory are made too.
+    """
+    if method not in DOWNSAMPLERS:
+        raise ValueError(f"pyramid method {method!r}: expected one of {sorted(DOWNSAMPLERS)}")
+    down = DOWNSAMPLERS[method]
+    ms = dict(group.attrs)["multiscales"][0]
+    first = ms["datasets"][0]["coordinateTransformations"]
+    scale0 = next(t["scale"] for t in first if t["type"] == "scale")
+    translation0 = next(t["translation"] for t in first if t["type"] == "translation")
+    source = group["s0"]
+    shapes = pyramid_shapes(source.shape, n_levels)
+    for k in range(1, n_levels):
+        shape = shapes[k]
+        level_chunks = tuple(min(c, s) for c, s in zip(chunks, shape))
+        target = group.create_array(f"s{k}", shape=shape, chunks=level_chunks, dtype=source.dtype,
+                                    fill_value=0, overwrite=True)
+        # Blocks of whole chunks along y and x, growing in z while they stay small.
+        block = list(level_chunks)
+        while block[0] < shape[0] and np.prod(block) * 2 <= max_block_voxels:
+            block[0] = min(shape[0], block[0] * 2)
+        for z in range(0, shape[0], block[0]):
+            for y in range(0, shape[1], block[1]):
+                for x in range(0, shape[2], block[2]):
+                    lo = (z, y, x)
+                    hi = tuple(min(a + b, s) for a, b, s in zip(lo, block, shape))
+                    src = source[tuple(slice(2 * a, 2 * b) for a, b in zip(lo, hi))]
+                    target[tuple(slice(a, b) for a, b in zip(lo, hi))] = down(np.asarray(src))
+        source = target
+    group.attrs["multiscales"] = multiscales_attrs(ms.get("name", ""), scale0, translation0, n_levels)

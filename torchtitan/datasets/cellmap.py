@@ -27,6 +27,9 @@ each volume at startup and on every sample read).
 
 ``data.dataset_path`` is either a folder in the layout above or a split list (CSV or TOML)
 naming EM volumes and crops one by one, each crop marked train or val (``split_lists.py``).
+Folders and the paths in split lists may be URLs (``s3://``, ``gs://``, ``http(s)://``):
+locations are strings handled by ``stores.py``, which also lists remote folders (from an
+index file, see there) and reads remote metadata.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from torchtitan.cellmap.ome_ngff import (
     read_multiscales,
     stored_intensity_range,
 )
-from torchtitan.datasets import zarr_chunks
+from torchtitan.datasets import stores, zarr_chunks
 from torchtitan.datasets.split_lists import SplitEntry, read_split_entries
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
@@ -125,61 +128,64 @@ class EMSource:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_crop(crop_path: Path, dataset: str, only: list[str] | None = None) -> LabelCrop | None:
-    """One label crop folder (``crop<N>``) of ``dataset``: its annotated class groups (all, or
-    those named in ``only``), or None when it holds none."""
+def read_crop(crop_path: str | os.PathLike, dataset: str,
+              only: list[str] | None = None) -> LabelCrop | None:
+    """One label crop folder (``crop<N>``, local or URL) of ``dataset``: its annotated class
+    groups (all, or those named in ``only``: then the crop is not listed), or None when it
+    holds none."""
     classes: dict[str, list[ScaleLevel]] = {}
     encoding: dict[str, LabelEncoding] = {}
-    for class_dir in sorted(p for p in crop_path.iterdir() if p.is_dir()):
-        if only is not None and class_dir.name not in only:
-            continue
-        attrs = read_attrs(class_dir)
+    names = sorted(only) if only is not None else stores.list_dirs(crop_path)
+    for name in names:
+        class_dir = stores.join(crop_path, name)
+        attrs = read_attrs(class_dir, stores.read_json)
         if not is_multiscale_group(attrs):
             continue  # not a class group
-        classes[class_dir.name] = read_multiscales(class_dir)
-        encoding[class_dir.name] = LabelEncoding.from_attrs(attrs)
+        classes[name] = read_multiscales(class_dir, stores.read_json)
+        encoding[name] = LabelEncoding.from_attrs(attrs)
     if not classes:
         return None
-    return LabelCrop(crop_path.name, dataset, classes, encoding)
+    return LabelCrop(stores.name_of(crop_path), dataset, classes, encoding)
 
 
 def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
     """Find every CellMap-layout dataset (``<ds>/<ds>.zarr``) below ``dataset_path``, or read
     the datasets and crops a split list (``.csv`` or ``.toml`` file) names."""
-    root = Path(dataset_path)
-    if root.is_file():
+    root = str(dataset_path)
+    stores.check_location(root, "data.dataset_path")
+    if not stores.is_url(root) and Path(root).is_file():
         return read_split_list(root)
-    if not root.is_dir():
+    if not (stores.list_dirs(root) if stores.is_url(root) else Path(root).is_dir()):
         raise DatasetError(
-            f"data.dataset_path {str(root)!r} does not exist or is not a folder; point it at a "
-            "folder of <dataset>/<dataset>.zarr stores or at a split list (.csv / .toml) "
-            "(run `python helpers/make_demo_data.py` for the built-in demo data)"
+            f"data.dataset_path {root!r} does not exist or is not a folder; point it at a "
+            "folder (or URL) of <dataset>/<dataset>.zarr stores or at a split list (.csv / "
+            ".toml) (run `python helpers/make_demo_data.py` for the built-in demo data)"
         )
     sources = []
-    for ds_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        store = ds_dir / f"{ds_dir.name}.zarr"
-        if not store.is_dir():
+    for name in stores.list_dirs(root):
+        store = stores.join(root, name, f"{name}.zarr")
+        if not stores.is_dir(store):
             continue
-        em_group = store / EM_GROUP
-        if not em_group.is_dir() and (store / EM_GROUP_UINT16).is_dir():
-            em_group = store / EM_GROUP_UINT16
-        if not em_group.is_dir():
+        em_group = stores.join(store, EM_GROUP)
+        if not stores.is_dir(em_group) and stores.is_dir(stores.join(store, EM_GROUP_UINT16)):
+            em_group = stores.join(store, EM_GROUP_UINT16)
+        if not stores.is_dir(em_group):
             raise DatasetError(
                 f"{store}: no EM group '{EM_GROUP}'; expected the CellMap layout "
                 f"<ds>.zarr/{EM_GROUP}/s0.."
             )
-        levels = read_multiscales(em_group)
+        levels = read_multiscales(em_group, stores.read_json)
         crops = []
-        gt = store / GT_GROUP
-        if gt.is_dir():
-            for crop_dir in sorted(p for p in gt.iterdir() if p.is_dir()):
-                crop = read_crop(crop_dir, ds_dir.name)
+        gt = stores.join(store, GT_GROUP)
+        if stores.is_dir(gt):
+            for crop_name in stores.list_dirs(gt):
+                crop = read_crop(stores.join(gt, crop_name), name)
                 if crop is not None:
                     crops.append(crop)
-        sources.append(EMSource(ds_dir.name, str(store), levels, crops))
+        sources.append(EMSource(name, store, levels, crops))
     if not sources:
         raise DatasetError(
-            f"data.dataset_path {str(root)!r} holds no <dataset>/<dataset>.zarr store; expected "
+            f"data.dataset_path {root!r} holds no <dataset>/<dataset>.zarr store; expected "
             f"the CellMap layout <root>/<ds>/<ds>.zarr/{EM_GROUP}"
         )
     return sources
@@ -190,33 +196,34 @@ def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _zarr_store(path: Path) -> Path | None:
-    """The enclosing ``*.zarr`` folder of a group path, if any."""
-    for p in (path, *path.parents):
-        if p.suffix == ".zarr":
-            return p
+def _zarr_store(path: str) -> str | None:
+    """The enclosing ``*.zarr`` folder of a group location (path or URL), if any."""
+    parts = str(path).rstrip("/").split("/")
+    for n in range(len(parts), 0, -1):
+        if parts[n - 1].endswith(".zarr") and len(parts[n - 1]) > len(".zarr"):
+            return "/".join(parts[:n])
     return None
 
 
 def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
     sources: dict[str, EMSource] = {}
-    em_groups: dict[str, Path] = {}
+    em_groups: dict[str, str] = {}
     listed: dict[str, SplitEntry] = {}  # crop full name -> the entry that listed it
     for e in entries:
         store = _zarr_store(e.em)
-        name = e.name or (store.stem if store else None)
+        name = e.name or (stores.name_of(store)[: -len(".zarr")] if store else None)
         if name is None:
             raise DatasetError(
                 f"{e.where}: EM group {e.em} is not inside a .zarr store, so it has no dataset "
                 "name; give one (TOML: name = \"...\")"
             )
         if name not in sources:
-            if not e.em.is_dir():
+            if not stores.is_dir(e.em):
                 raise DatasetError(
                     f"{e.where}: EM group {e.em} does not exist; fix the path (EM store + group, "
                     f"e.g. <ds>.zarr/{EM_GROUP})"
                 )
-            sources[name] = EMSource(name, str(store or e.em), read_multiscales(e.em), [])
+            sources[name] = EMSource(name, store or e.em, read_multiscales(e.em, stores.read_json), [])
             em_groups[name] = e.em
         elif em_groups[name] != e.em:
             raise DatasetError(
@@ -226,12 +233,12 @@ def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
             )
         if e.crop is None:
             continue
-        if not e.crop.is_dir():
+        if not stores.is_dir(e.crop):
             raise DatasetError(f"{e.where}: label crop {e.crop} does not exist; fix the path")
         if e.classes is not None:
-            missing = [c for c in e.classes if not (e.crop / c).is_dir()]
+            missing = [c for c in e.classes if not stores.is_dir(stores.join(e.crop, c))]
             if missing:
-                present = sorted(p.name for p in e.crop.iterdir() if p.is_dir())
+                present = stores.list_dirs(e.crop)
                 raise DatasetError(
                     f"{e.where}: label crop {e.crop} has no class group {missing} (it has "
                     f"{present}); remove those classes from the list or add their labels"
@@ -269,7 +276,7 @@ def check_crop_inside(source: EMSource, crop: LabelCrop) -> None:
         raise DatasetError(
             f"{source.store}: label crop {crop.name} spans {crop.box_min.tolist()}..."
             f"{crop.box_max.tolist()} nm, outside its EM volume {em_min.tolist()}..."
-            f"{em_max.tolist()} nm (EM {Path(source.levels[0].path).parent}); check the "
+            f"{em_max.tolist()} nm (EM {stores.parent_of(source.levels[0].path)}); check the "
             f"'translation' and 'scale' of the crop's levels (e.g. {crop.classes[cls][0].path}) "
             "against the EM's: both are in nm and give the centre of voxel 0"
         )
@@ -291,12 +298,12 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
     too_fine = v * MAX_RESAMPLE_FACTOR < finest * (1 - tol)
     too_coarse = v > coarsest * MAX_RESAMPLE_FACTOR * (1 + tol)
     if too_fine.any() or too_coarse.any():
-        levels = ", ".join(f"{Path(lv.path).name}={list(lv.scale)}" for lv in source.levels)
+        levels = ", ".join(f"{stores.name_of(lv.path)}={list(lv.scale)}" for lv in source.levels)
         what = "finer than half the finest" if too_fine.any() else "coarser than twice the coarsest"
         axes = "".join(a for a, bad in zip(AXES, too_fine | too_coarse) if bad)
         raise DatasetError(
             f"{source.store}: data.voxel_size {v.tolist()} nm is {what} EM level on axis "
-            f"{axes} (EM {Path(source.levels[0].path).parent} levels, nm: {levels}); choose "
+            f"{axes} (EM {stores.parent_of(source.levels[0].path)} levels, nm: {levels}); choose "
             f"a data.voxel_size within {MAX_RESAMPLE_FACTOR:g}x of an available level on "
             "every axis"
         )
@@ -307,10 +314,12 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
 # ---------------------------------------------------------------------------------------------
 
 # Open array handles, per process (each loader worker has its own), least recently used last.
-# A handle holds only metadata, never chunk data (neither zarr_chunks.ChunkedArray nor
-# zarr-python 3 caches chunks), but a dataset may have tens of thousands of label arrays,
-# hence the bound. Local arrays of the usual layout are read by zarr_chunks, which decodes
-# chunk files directly at a fraction of zarr-python's CPU cost; the rest by zarr-python.
+# A handle holds only metadata (chunks are cached, up to data.cache_mb per process, only by
+# TensorStore's shared cache, see stores.py), but a dataset may have tens of thousands of label
+# arrays, hence the bound. Local arrays of the usual layout are read by zarr_chunks, which
+# decodes chunk files directly at the least CPU cost (BENCHMARKS.md, "Which reader"); the rest
+# (remote stores, sharding, checksums, N5, ...) by TensorStore, and zarr-python for a local
+# array TensorStore cannot open.
 _ARRAY_CACHE: OrderedDict[str, object] = OrderedDict()
 ARRAY_CACHE_SIZE = 256
 
@@ -322,13 +331,18 @@ def open_array(path: str):
         _ARRAY_CACHE.move_to_end(path)
         return arr
     arr = zarr_chunks.open_fast(path)
+    if arr is None and stores.is_url(path):
+        arr = stores.open_tensorstore(path)
     if arr is None:
-        import zarr
-
         try:
-            arr = zarr.open_array(path, mode="r")
-        except Exception as e:  # noqa: BLE001 - re-raised with the path
-            raise DatasetError(f"cannot open zarr array {path}: {e}") from e
+            arr = stores.open_tensorstore(path)
+        except DatasetError as ts_error:
+            import zarr
+
+            try:
+                arr = zarr.open_array(path, mode="r")
+            except Exception as e:  # noqa: BLE001 - re-raised with the path
+                raise DatasetError(f"cannot open zarr array {path}: {e} ({ts_error})") from e
     _ARRAY_CACHE[path] = arr
     while len(_ARRAY_CACHE) > ARRAY_CACHE_SIZE:
         _ARRAY_CACHE.popitem(last=False)
@@ -342,7 +356,12 @@ def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.nd
     the fill value is usually 0 = background). A chunk that exists but cannot be decoded
     raises :class:`ChunkReadError`, which the sample builders catch to draw another sample.
     """
-    arr = open_array(level.path)
+    try:
+        arr = open_array(level.path)
+    except DatasetError as e:
+        if not stores.is_url(level.path):
+            raise
+        raise ChunkReadError(level.path, list(lo), list(hi), e) from e  # the network, mid-run
     if all(0 <= l and h <= n for l, h, n in zip(lo, hi, level.shape)):  # inside: no padding
         src = tuple(slice(l, h) for l, h in zip(lo, hi))
         try:
@@ -435,8 +454,8 @@ def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None
     if dtype.kind not in "iuf":
         raise DatasetError(f"EM array {level0.path} has dtype {dtype}; expected uint8, another "
                            "integer type or float")
-    group = Path(level0.path).parent
-    stored = stored_intensity_range(group)
+    group = stores.parent_of(level0.path)
+    stored = stored_intensity_range(group, stores.read_json)
     if stored is not None:
         logger.info("%s: %s EM mapped from its stored range [%g, %g] (omero window) to 0..255",
                     source.name, dtype, *stored)

@@ -10,12 +10,13 @@ Items are :class:`~torchtitan.datasets.batch.Sample` objects, collated into a
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
 from torch.utils.data import DataLoader, Sampler
 
-from torchtitan.datasets import cellmap
+from torchtitan.datasets import cellmap, stores
 from torchtitan.datasets.batch import collate
 from torchtitan.datasets.cellmap import (
     DatasetError,
@@ -64,10 +65,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return 2**62
 
 
-def _worker_init(worker_id: int) -> None:
+def _worker_init(store_settings: stores.StoreSettings, worker_id: int) -> None:
     """Loader workers need no seeding (every sample owns its generator, keyed by its global
-    index); each only drops the zarr handles inherited from the parent, to open its own."""
+    index); each drops the zarr handles inherited from the parent, to open its own, and reads
+    with the parent's store settings (a spawned worker starts without them)."""
     cellmap._ARRAY_CACHE.clear()
+    stores.configure(store_settings)
 
 
 def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start_step: int,
@@ -85,6 +88,10 @@ def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start
     """
     sampler = GlobalBatchSampler(global_batch, dp_rank, dp_degree, start_step)
     workers = num_workers > 0
+    if workers and stores.tensorstore_used() and multiprocessing_context in (None, "fork"):
+        # TensorStore's threads do not survive fork(): its children abort.
+        logger.info("loader workers start with 'spawn' (TensorStore is in use in this process)")
+        multiprocessing_context = "spawn"
     return DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -93,7 +100,7 @@ def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start
         pin_memory=pin_memory,
         persistent_workers=workers,
         prefetch_factor=2 if workers else None,
-        worker_init_fn=_worker_init if workers else None,
+        worker_init_fn=functools.partial(_worker_init, stores.settings()) if workers else None,
         multiprocessing_context=multiprocessing_context if workers else None,
     )
 
@@ -173,6 +180,7 @@ def _check_class_names(classes: list[str], crops: list[LabelCrop]) -> None:
 def load_em_sources(cfg) -> list[EMSource]:
     """The EM volumes of ``data.dataset_path`` (folder or split list), each able to serve
     ``data.voxel_size``; for tasks that need no labels (MAE)."""
+    stores.configure(stores.settings_from_config(cfg))
     sources = discover(cfg.data.dataset_path)
     for s in sources:
         check_voxel_size(s, cfg.data.voxel_size)

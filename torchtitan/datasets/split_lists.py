@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.cellmap.errors import DatasetError
+from torchtitan.datasets import stores
 
 # CSV, as cellmap-data / the CellMap challenge write it (no header; one crop per row):
 #     "train","/data/jrc_x/jrc_x.zarr","recon-1/em/fibsem-uint8",
@@ -30,7 +31,8 @@ from torchtitan.cellmap.errors import DatasetError
 #     name = "jrc_x"                      # optional: default the .zarr store's name
 #     [[val]]
 #     ...
-# Relative CSV paths are relative to the CSV's folder.
+# Relative CSV paths are relative to the CSV's folder. Any path may be a URL (s3://, gs://,
+# http(s)://; see stores.py); a TOML root may be one too.
 
 SPLIT_NAMES = {"train": "train", "val": "val", "validate": "val", "validation": "val"}
 
@@ -41,8 +43,8 @@ class SplitEntry:
 
     where: str  # "<file> line 3" / "<file> [[train]] entry 2", for messages
     split: str  # "train" | "val"
-    em: Path  # the EM multiscale group
-    crop: Path | None  # the label crop group (holding one multiscale group per class)
+    em: str  # the EM multiscale group (local path or URL)
+    crop: str | None  # the label crop group (holding one multiscale group per class)
     classes: tuple[str, ...] | None  # classes to use from the crop; None: every class
     name: str | None = None  # dataset name; None: the name of the enclosing .zarr store
 
@@ -54,14 +56,17 @@ def _split_name(text: str, where: str) -> str:
     return split
 
 
-def _local_path(text: str, base: Path, where: str) -> Path:
-    if "://" in text:
-        raise DatasetError(
-            f"{where}: {text!r} is a remote URL; only local (or mounted) zarr stores are "
-            "supported: download the data first (e.g. `csc fetch-data`) and list local paths"
-        )
+def _location(text: str, base: str, where: str) -> str:
+    """A path of the list: a URL (``s3://``, ``gs://``, ``http(s)://``) as it is, a local
+    path made absolute against ``base`` (which may itself be a URL)."""
+    text = text.strip()
+    if stores.is_url(text):
+        stores.check_location(text, where)
+        return text.rstrip("/")
+    if stores.is_url(base):
+        return stores.join(base, text)
     p = Path(text).expanduser()
-    return p if p.is_absolute() else base / p
+    return str(p if p.is_absolute() else Path(base) / p)
 
 
 def _crop_and_classes(text: str) -> tuple[str, tuple[str, ...] | None]:
@@ -89,11 +94,11 @@ def _read_split_csv(path: Path) -> list[SplitEntry]:
                     f"volume without labels), got {len(row)}: {row}"
                 )
             split = _split_name(row[0], where)
-            em = _local_path(row[1], path.parent, where) / row[2]
+            em = stores.join(_location(row[1], str(path.parent), where), row[2])
             crop, classes = None, None
             if len(row) == 5:
                 crop_group, classes = _crop_and_classes(row[4])
-                crop = _local_path(row[3], path.parent, where) / crop_group
+                crop = stores.join(_location(row[3], str(path.parent), where), crop_group)
             entries.append(SplitEntry(where, split, em, crop, classes))
     return entries
 
@@ -112,7 +117,7 @@ def _read_split_toml(path: Path) -> list[SplitEntry]:
             f"{path}: unknown keys {sorted(unknown)}; a split list has an optional 'root' and "
             "[[train]] / [[val]] entries"
         )
-    base = _local_path(str(doc.get("root", ".")), path.parent, str(path))
+    base = _location(str(doc.get("root", ".")), str(path.parent), str(path))
     entries = []
     for key in SPLIT_NAMES:
         tables = doc.get(key, [])
@@ -129,13 +134,13 @@ def _read_split_toml(path: Path) -> list[SplitEntry]:
             crops = t.get("crops", t.get("crop", []))
             crops = [crops] if isinstance(crops, str) else list(crops)
             classes = tuple(t["classes"]) if "classes" in t else None
-            em = _local_path(t["em"], base, where)
+            em = _location(t["em"], base, where)
             split = _split_name(key, where)
             name = t.get("name")
             if not crops:
                 entries.append(SplitEntry(where, split, em, None, None, name))
             for c in crops:
-                entries.append(SplitEntry(where, split, em, _local_path(c, base, where),
+                entries.append(SplitEntry(where, split, em, _location(c, base, where),
                                           classes, name))
     return entries
 

@@ -6,7 +6,7 @@ them with the same numcodecs codecs (``bench/data_loader.py``). For the layout E
 CellMap labels use (regular chunks, no sharding, a compressor such as Blosc, Zstd or GZip, C
 or F order, any numeric dtype), :class:`ChunkedArray` does exactly that. :func:`open_fast`
 returns None for anything else (sharding, checksums, transposes, non-local stores, exotic
-dtypes), and the caller uses zarr-python.
+dtypes), and the caller uses TensorStore (``stores.py``; BENCHMARKS.md, "Which reader").
 
 Semantics follow zarr: a chunk file that does not exist reads as the array's fill value; a
 chunk that exists but does not decode to the chunk's size raises, naming the file.
@@ -188,7 +188,7 @@ def _open_v3(path: Path, meta: dict) -> ChunkedArray | None:
 
 def open_fast(path: str | os.PathLike) -> ChunkedArray | None:
     """A :class:`ChunkedArray` for the zarr array at local ``path``, or None when it is not
-    local or uses a feature this reader leaves to zarr-python."""
+    local or uses a feature this reader leaves to TensorStore."""
     p = Path(path)
     if "://" in str(path) or not p.is_dir():
         return None
@@ -198,5 +198,5 @@ def open_fast(path: str | os.PathLike) -> ChunkedArray | None:
         if (p / "zarr.json").is_file():
             return _open_v3(p, json.loads((p / "zarr.json").read_text()))
     except (ValueError, KeyError, TypeError, OSError):
-        return None  # zarr-python gives the proper error for malformed metadata
+        return None  # TensorStore (or zarr-python) gives the proper error for bad metadata
     return None

@@ -22,6 +22,7 @@ from torchtitan.models import (
     predict_probabilities,
     training_flops_per_sample,
 )
+from torchtitan.postprocess import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone, most_forwards
 
@@ -33,7 +34,8 @@ class SegmentationTask(TaskBase):
     validation crop's GIF and TensorBoard image."""
 
     name = "segmentation"
-    best_metric, best_higher = "val/mean_iou", True  # marks the best checkpoint
+    # Marks the best checkpoint: the raw prediction's score, whatever the post-processing.
+    best_metric, best_higher = "val/mean_iou", True
 
     def __init__(self, cfg, visuals: SegmentationVisuals | None = None):
         super().__init__(cfg, visuals)
@@ -107,8 +109,14 @@ class SegmentationTask(TaskBase):
         """Predict each rank's whole validation crops (sliding window), score them the CellMap
         way (semantic IoU/Dice pooled over crops, instance scores per crop), and write a GIF
         of each crop's EM, ground truth and prediction to ``dump_folder/visuals`` when the task
-        has a picture writer."""
+        has a picture writer.
+
+        With post-processing set in ``[inference]`` (``torchtitan/postprocess.py``), the
+        post-processed masks are scored too and reported as ``val_post/...`` (same names after
+        the prefix) beside the raw ``val/...`` scores; the best checkpoint stays the raw one's.
+        """
         cfg, inf = self.cfg, self.cfg.inference
+        post = PostProcessing.from_config(inf)
         classes = list(cfg.data.classes)
         mine = self.val_crops[ctx.dp_rank::ctx.dp_degree]
         window = tuple(cfg.model.crop_size)
@@ -121,7 +129,7 @@ class SegmentationTask(TaskBase):
         calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, inf.overlap,
                                       inf.batch_size, planes=inf.planes) for c in mine)
         idle = most_forwards(calls, ctx) - calls
-        per_crop = []
+        per_crop, per_crop_post = [], []
         skipped = 0
         for crop in mine:
             try:
@@ -141,10 +149,13 @@ class SegmentationTask(TaskBase):
             pred = (prob > inf.threshold).numpy()
             target, valid = vol["target"].numpy(), vol["valid"].numpy()
             annotated = [k for k, name in enumerate(classes) if annotates(crop, name)]
-            per_crop.append(score_crop(
-                {classes[k]: pred[k] for k in annotated},
-                {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated},
-                {classes[k]: valid[k] for k in annotated}, cfg.data.voxel_size))
+            truth = {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated}
+            valid_by_class = {classes[k]: valid[k] for k in annotated}
+            masks = {classes[k]: pred[k] for k in annotated}
+            per_crop.append(score_crop(masks, truth, valid_by_class, cfg.data.voxel_size))
+            if post.enabled:
+                per_crop_post.append(score_crop(postprocess(masks, cfg.data.voxel_size, post),
+                                                truth, valid_by_class, cfg.data.voxel_size))
             if ctx.writes_files and self.visuals is not None:
                 self._visualize(ctx, crop, vol, pred, classes)
         dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
@@ -152,10 +163,14 @@ class SegmentationTask(TaskBase):
             predict(dummy)
         if ctx.dp_group is not None:
             gathered: list = [None] * ctx.dp_degree
-            dist.all_gather_object(gathered, (per_crop, skipped), group=ctx.dp_group)
-            per_crop = [c for rank_crops, _ in gathered for c in rank_crops]
-            skipped = sum(n for _, n in gathered)
+            dist.all_gather_object(gathered, (per_crop, per_crop_post, skipped), group=ctx.dp_group)
+            per_crop = [c for rank_crops, _, _ in gathered for c in rank_crops]
+            per_crop_post = [c for _, rank_crops, _ in gathered for c in rank_crops]
+            skipped = sum(n for _, _, n in gathered)
         scores = validation_scores(combine_scores(per_crop), classes) if per_crop else {}
+        if per_crop_post:
+            post_scores = validation_scores(combine_scores(per_crop_post), classes)
+            scores.update({"val_post/" + k.removeprefix("val/"): v for k, v in post_scores.items()})
         scores["val/skipped_crops"] = float(skipped)
         return scores
 
@@ -176,3 +191,6 @@ class SegmentationTask(TaskBase):
                 print(f"  val IoU {name:>10s}: {scores[f'val/iou/{name}']:.3f}")
         if "val/mean_iou" in scores:
             print(f"  val mean IoU:      {scores['val/mean_iou']:.3f}")
+        if "val_post/mean_iou" in scores:
+            print(f"  post-processed mean IoU: {scores['val_post/mean_iou']:.3f} "
+                  "([inference] post-processing; val_post/... in the logs)")

@@ -6,10 +6,20 @@ step) or from an exported ``.pth``. Input is read from zarr window by window and
 is written block by block (:func:`torchtitan.inference.predict_blockwise`), so volumes far
 larger than host or device memory work. Under ``torchrun`` the blocks are split across ranks.
 
-Output (OME-NGFF 0.4, zarr format 2), one group per predicted region and class::
+Output (OME-NGFF 0.4, zarr format 2), one multiscale group per predicted region and class::
 
     PRED.zarr/<region>/<class>/s0      uint8 masks (0/1), float32 probabilities, or
                                        uint32 instance ids (instance classes, --instances)
+    PRED.zarr/<region>/<class>/s1..    2x pyramid for viewers (at least 3 levels in all, until
+                                       the largest side is <= 64 voxels; --pyramid_levels):
+                                       mean of probabilities, mode of masks and ids
+
+Arrays are chunked 64^3 (viewers fetch them quickly); blocks are whole chunks, so ranks
+never write into the same chunk. Readers (scoring, plots) read ``s0``.
+
+Post-processing (the run's ``[inference]`` ``min_object_nm3``, ``fill_holes`` and, for
+``--instances``, ``instances``; :mod:`torchtitan.postprocess`) is applied to the masks of each
+finished region in memory, before the pyramid; ``--probabilities`` are written raw.
 
 where ``<region>`` is ``crop<N>`` for label crops and for the rows of a crop manifest (the
 CellMap submission layout) or the dataset name for a whole volume / ROI. Each class group has
@@ -29,6 +39,10 @@ columns are ignored)::
 
     crop_name,dataset,origin_z,origin_y,origin_x,shape_z,shape_y,shape_x,voxel_size_z,voxel_size_y,voxel_size_x
     crop123,jrc_hela-2,1000.0,2000.0,3000.0,100,200,200,4.0,4.0,4.0
+
+The challenge's own test-crop manifest (columns ``crop_name,dataset,class_label,voxel_size,
+translation,shape``, one row per crop and class; :mod:`torchtitan.cellmap.challenge`) is read
+too: each crop becomes the box its classes cover.
 
 ``crop_name`` is ``crop<N>`` or ``<N>``; ``dataset`` names an EM dataset under the data
 root; ``origin_*`` is the world position (nm) of the outer corner of the crop's voxel 0 (not
@@ -53,7 +67,13 @@ import torch.distributed as dist
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.cellmap.grids import closest_level
-from torchtitan.cellmap.ome_ngff import create_multiscale_group
+from torchtitan.cellmap.challenge import ChallengeCrop, is_test_manifest, read_test_manifest
+from torchtitan.cellmap.ome_ngff import (
+    VIEW_CHUNKS,
+    auto_pyramid_levels,
+    create_multiscale_group,
+    write_pyramid,
+)
 from torchtitan.checkpoint import CheckpointError, complete_steps, load_model_weights
 from torchtitan.config_manager import ConfigError, ConfigManager
 from torchtitan.datasets.cellmap import (
@@ -65,10 +85,10 @@ from torchtitan.datasets.cellmap import (
     set_em_ranges,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
-from torchtitan.evaluation import label_instances
 from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
 from torchtitan.models import predict_probabilities, resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
+from torchtitan.postprocess import PostProcessing, clean_mask, separate_instances
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +203,16 @@ class ManifestCrop:
     dataset: str
     box_min: np.ndarray  # outer corner of voxel 0
     box_max: np.ndarray
+    voxel_size: np.ndarray | None = None  # the crop's own voxel size (nm), when the row gives it
 
 
 def read_manifest(path: str) -> list[ManifestCrop]:
     """The crops of a manifest CSV (format: module docstring), duplicates merged."""
     if not Path(path).is_file():
         raise ConfigError(f"--manifest {path!r} does not exist")
+    challenge = test_manifest_crops(path)
+    if challenge is not None:
+        return [ManifestCrop(c.name, c.dataset, c.box_min, c.box_max) for c in challenge.values()]
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in MANIFEST_COLUMNS if c not in (reader.fieldnames or [])]
@@ -209,7 +233,7 @@ def read_manifest(path: str) -> list[ManifestCrop]:
                 dataset = row["dataset"].strip()
             except (ValueError, TypeError, AttributeError) as e:
                 raise ConfigError(f"--manifest {path}, line {line}: {e}") from None
-            crop = ManifestCrop(f"crop{int(number)}", dataset, origin, origin + shape * voxel)
+            crop = ManifestCrop(f"crop{int(number)}", dataset, origin, origin + shape * voxel, voxel)
             seen = crops.get(crop.name)
             if seen is None:
                 crops[crop.name] = crop
@@ -220,6 +244,18 @@ def read_manifest(path: str) -> list[ManifestCrop]:
     if not crops:
         raise ConfigError(f"--manifest {path} lists no crop")
     return list(crops.values())
+
+
+def test_manifest_crops(path: str) -> dict[str, ChallengeCrop] | None:
+    """The crops of the challenge's test-crop manifest at ``path``, or None when the CSV is in
+    our own manifest format."""
+    with open(path, newline="") as f:
+        if not is_test_manifest(csv.DictReader(f).fieldnames):
+            return None
+    try:
+        return read_test_manifest(path)
+    except DatasetError as e:
+        raise ConfigError(f"--manifest {e}") from None
 
 
 def covering_grid(box_min, box_max, voxel_size) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -274,6 +310,22 @@ def plan_regions(todo: list[Region], out: str, overwrite: bool) -> list[Region]:
     return [r for r in todo if r.name not in finished]
 
 
+def view_chunking(block, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(block, chunks): 64^3 chunks (smaller along an axis whose block is smaller), and the
+    block grown to whole chunks, so every chunk lies in one block (one writing rank)."""
+    chunks = tuple(min(c, b) for c, b in zip(VIEW_CHUNKS, block))
+    block = tuple(min(s, -(-b // c) * c) for b, c, s in zip(block, chunks, shape))
+    return block, chunks
+
+
+def write_pyramids(root, region: Region, classes: list[str], method: str, levels: int) -> None:
+    """Levels s1.. of every class group of a finished region (:func:`write_pyramid`)."""
+    for cls in classes:
+        group = root[f"{region.name}/{cls}"]
+        n = levels or auto_pyramid_levels(group["s0"].shape)
+        write_pyramid(group, n, "mode" if group["s0"].dtype.kind in "iub" else method)
+
+
 def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
     """Create ``<region>/<class>`` with OME-NGFF metadata (plus the submission format's plain
     ``voxel_size`` and ``translation``) and an empty ``s0``."""
@@ -323,6 +375,14 @@ def predict_regions(args) -> list[str]:
         todo = manifest_regions(sources, cfg.data.voxel_size, args.manifest)
     else:
         todo = regions(sources, cfg.data.voxel_size, args.dataset, args.roi, args.crops)
+    submission = getattr(args, "submission", None)
+    if submission and not (args.manifest or args.crops):
+        raise ConfigError("--submission writes test crops: give them with --manifest (the "
+                          "challenge's test-crop manifest) or --crops")
+    if getattr(args, "pyramid_levels", 0) < 0:
+        raise ConfigError(f"--pyramid_levels {args.pyramid_levels}: expected 0 (automatic: at "
+                          "least 3) or a number of levels >= 1")
+    requested = [r.name for r in todo]
     todo = plan_regions(todo, args.out, getattr(args, "overwrite", False))
     if rank == 0:
         for region in todo:
@@ -368,6 +428,7 @@ def predict_regions(args) -> list[str]:
     buffers = len(classes) * (2 if planes == "zyx" else 1)
     for region in todo:
         block = block_shape_for_budget(region.shape, window3, buffers, args.max_block_mb * 2**20)
+        block, chunks = view_chunking(block, region.shape)
         level = region.source.levels[closest_level(region.source.levels, v)]
 
         def read_input(lo, hi, region=region, level=level):
@@ -381,7 +442,7 @@ def predict_regions(args) -> list[str]:
         arrays = {}
         if rank == 0:
             for cls in classes:
-                arrays[cls] = _write_group(root, region, cls, v, dtype, block)
+                arrays[cls] = _write_group(root, region, cls, v, dtype, chunks)
         if world > 1:
             dist.barrier()
         if rank != 0:
@@ -410,26 +471,68 @@ def predict_regions(args) -> list[str]:
             bar.close()
         if world > 1:
             dist.barrier()
-        if args.instances and rank == 0 and not args.probabilities:
-            _label_instances(root, region, classes, v, block)
+        post = PostProcessing.from_config(inf)
+        if rank == 0 and not args.probabilities and (args.instances or post.enabled):
+            _postprocess_masks(root, region, classes, v, chunks, post, args.instances)
+        if rank == 0:  # viewer levels, from the finished s0 (masks and ids: mode)
+            write_pyramids(root, region, classes, "mean" if args.probabilities else "mode",
+                           getattr(args, "pyramid_levels", 0))
         if rank == 0:  # after every rank's blocks (barrier above) and the instances
             root.require_group(region.name).attrs[COMPLETE_ATTR] = True
         written.append(f"{args.out}/{region.name}")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    if submission and rank == 0:  # after the other ranks are done, so none waits on an error
+        written += _write_submission(args, cfg, sources, requested, classes)
     return written
 
 
-def _label_instances(root, region: Region, classes: list[str], voxel_size, chunks) -> None:
-    """Replace the masks of instance classes by connected-component ids (in memory: meant for
-    crops and regions that fit; whole volumes keep their masks). Components are found exactly
-    as the scoring command finds them."""
+def _write_submission(args, cfg, sources, names: list[str], classes: list[str]) -> list[str]:
+    """The challenge submission of the predicted crops (``--submission``), checked by the
+    linter; an error when the linter would reject it."""
+    from torchtitan.tools.submission import (
+        check_submission,
+        crops_from_boxes,
+        crops_from_groundtruth,
+        format_report,
+        write_submission,
+    )
+
+    if args.manifest:
+        crops = test_manifest_crops(args.manifest)
+        if crops is None:  # our own manifest format: the model's classes on each row's grid
+            crops = crops_from_boxes(read_manifest(args.manifest), classes)
+    else:
+        crops = crops_from_groundtruth(cfg.data.dataset_path, names)
+    crops = {n: c for n, c in crops.items() if n in names}
+    notes = write_submission(args.out, args.submission, crops)
+    for note in notes:
+        logger.info("submission: %s", note)
+    problems = check_submission(args.submission, crops)
+    report = format_report(problems, crops, args.submission)
+    logger.info("%s", report)
+    if any(p.severity == "error" for p in problems):
+        raise DatasetError(report)
+    return [str(args.submission), str(Path(args.submission).with_suffix(".zip"))]
+
+
+def _postprocess_masks(root, region: Region, classes: list[str], voxel_size, chunks,
+                       post: PostProcessing, instances: bool) -> None:
+    """Post-process a finished region's masks in memory (meant for crops and regions that fit):
+    the run's ``[inference]`` steps (small objects, holes; ``torchtitan/postprocess.py``) on
+    every class, then, with ``instances``, replace the masks of instance classes by instance
+    ids (``inference.instances``: connected components, found exactly as the scoring command
+    finds them, or watershed)."""
     for cls in classes:
-        if cls not in INSTANCE_CLASSES:
-            continue
-        mask = root[f"{region.name}/{cls}/s0"][:]
-        ids, n = label_instances(mask)
-        arr = _write_group(root, region, cls, voxel_size, "uint32", chunks)
-        arr[:] = ids.astype(np.uint32)
-        logger.info("%s/%s: %d instances", region.name, cls, n)
+        mask = root[f"{region.name}/{cls}/s0"][:] > 0
+        cleaned = clean_mask(mask, cls, voxel_size, post)
+        if instances and cls in INSTANCE_CLASSES:
+            ids, n = separate_instances(cleaned, voxel_size, post)
+            arr = _write_group(root, region, cls, voxel_size, "uint32", chunks)
+            arr[:] = ids.astype(np.uint32)
+            logger.info("%s/%s: %d instances (%s)", region.name, cls, n, post.instances)
+        elif not np.array_equal(cleaned, mask):
+            root[f"{region.name}/{cls}/s0"][:] = cleaned.astype(np.uint8)
+            logger.info("%s/%s: post-processing changed %d voxels", region.name, cls,
+                        int(np.count_nonzero(cleaned != mask)))
