@@ -151,6 +151,9 @@ class SelfAttention(nn.Module):
         n_prefix = q.shape[-2] - sin.shape[-2]
         if n_prefix < 0:
             raise ValueError(f"RoPE has {sin.shape[-2]} positions for {q.shape[-2]} tokens")
+        if n_prefix == 0:  # tables cover every token (see rope_for_tokens): no slicing, no cat
+            return (rope_apply(q.to(sin.dtype), sin, cos).to(q.dtype),
+                    rope_apply(k.to(sin.dtype), sin, cos).to(k.dtype))
         out = []
         for t in (q, k):
             t_rot = rope_apply(t[:, :, n_prefix:].to(sin.dtype), sin, cos).to(t.dtype)
@@ -167,6 +170,22 @@ class SelfAttention(nn.Module):
             q, k = self.apply_rope(q, k, rope)
         x = attention(q, k, v, self.attention)
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
+
+
+def rope_for_tokens(rope: Rope | None, n_tokens: int) -> Rope | None:
+    """RoPE tables covering all ``n_tokens`` tokens: identity rows (sin 0, cos 1) prepended
+    for the prefix tokens. Done once per forward, so that no block has to slice q and k into
+    prefix and patches and concatenate them again. Rotating a prefix token by these rows
+    returns it unchanged (x * 1 + rotate_half(x) * 0 = x, exactly)."""
+    if rope is None:
+        return None
+    sin, cos = rope
+    n_prefix = n_tokens - sin.shape[-2]
+    if n_prefix <= 0:
+        return rope
+    shape = (*sin.shape[:-2], n_prefix, sin.shape[-1])
+    return (torch.cat([sin.new_zeros(shape), sin], dim=-2),
+            torch.cat([cos.new_ones(shape), cos], dim=-2))
 
 
 class LayerScale(nn.Module):
@@ -425,6 +444,7 @@ class DinoVisionTransformer(nn.Module):
 
     def forward_tokens(self, x: Tensor, rope: Rope | None) -> Tensor:
         """Run all blocks; ``rope`` covers the trailing patch tokens ((N, hd) or (B, N, hd))."""
+        rope = rope_for_tokens(rope, x.shape[1])
         for block in self.blocks:
             x = block(x, rope)
         return x
@@ -463,7 +483,7 @@ class DinoVisionTransformer(nn.Module):
         depth = len(self.blocks)
         take = list(range(depth - n, depth)) if isinstance(n, int) else [i % depth for i in n]
         tokens, grid = self.prepare_tokens(x)
-        rope = self.rope_embed(grid)
+        rope = rope_for_tokens(self.rope_embed(grid), tokens.shape[1])
         outputs = {}
         for i, block in enumerate(self.blocks):
             tokens = block(tokens, rope)

@@ -1,0 +1,324 @@
+"""Training-step speed of our ViTs against MONAI's and timm's, side by side, and how much of
+the machine's matmul peak each reaches.
+
+    .venv/bin/pip install --no-deps monai==1.6.1 einops==0.8.1     # peers: benchmark only
+    .venv/bin/pip install --no-deps timm==1.0.31 torchvision==0.28.0
+    python bench/model_step.py [--cases 3d,2d] [--repeats 5] [--modes eager,compiled]
+    python bench/model_step.py --tiny              # every case at toy sizes (seconds; CI)
+    python bench/model_step.py --profile 3d        # torch.profiler table of our step
+
+One step is forward + backward + ``torch.optim.AdamW`` step + ``zero_grad``, float32, the
+same batch, optimizer setting (--adamw) and threads for every model. Models are timed in
+one process, one step each in turn per repeat (the order alternates between repeats), and
+min / median / max seconds per step are reported with samples/s and the ratio to the peer.
+
+Cases (--cases):
+  3d  our 3D segmentation ViT at ViT-S/16 sizes (``dinov3_vits16``, ndim 3, 1 channel: width
+      384, depth 12, 6 heads, MLP 1536, patch 16) on 96^3 crops, batch 2, against MONAI's
+      ``ViT`` (spatial_dims 3, the same sizes, ``classification=False``). MONAI's ViT has no
+      dense head, so the goal's ratio is backbone to backbone: each model's final-normalised
+      patch tokens, loss = their mean square. "ours+linear" is the full segmentation model
+      (the same backbone, features of four blocks, 1x1 conv to 4 classes, trilinear upsampling
+      to 96^3, loss = mean square of the logits), for what the head costs.
+  2d  our ``dinov3_vitb16`` (2D, 3 channels) at 224^2, batch 8, against timm's
+      ``vit_base_patch16_224`` (``num_classes=0``); loss = mean square of the final-normalised
+      patch tokens of each.
+
+Modes (--modes): "eager", and "compiled": every transformer block of every model wrapped in
+``torch.compile`` (as the trainer compiles, ``parallelize.apply_compile``).
+
+Hardware efficiency: achieved FLOP/s = training FLOPs per sample x samples / median step time,
+divided by the float32 matmul rate of a --gemm x --gemm GEMM measured in the same rounds
+(median). FLOPs are those of ``torchtitan/models/flops.py`` (matmuls and attention scores);
+for the peers the same formulas are applied to their layers (patch convolution, every linear
+of every block, attention over all tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from torchtitan.models import SegmentationModel, build_backbone, training_flops_per_sample
+from torchtitan.models.flops import block_training_flops, linear_training_flops
+
+MONAI_HINT = ".venv/bin/pip install --no-deps monai==1.6.1 einops==0.8.1"
+TIMM_HINT = ".venv/bin/pip install --no-deps timm==1.0.31 torchvision==0.28.0"
+
+# Sizes per case: (full, tiny).
+SIZES = {
+    "3d": ({"dim": 384, "depth": 12, "heads": 6, "patch": 16, "size": 96, "batch": 2},
+           {"dim": 64, "depth": 2, "heads": 2, "patch": 16, "size": 32, "batch": 2}),
+    "2d": ({"dim": 768, "depth": 12, "heads": 12, "patch": 16, "size": 224, "batch": 8},
+           {"dim": 64, "depth": 2, "heads": 2, "patch": 16, "size": 64, "batch": 2}),
+}
+
+
+@dataclass
+class Entry:
+    """One model under test: how to build its loss, and its counts."""
+
+    name: str
+    model: nn.Module
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    flops_per_sample: int
+    blocks: nn.ModuleList | nn.Sequential
+    params_note: str = ""
+    times: list[float] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+
+
+def import_timm():
+    """timm, or SystemExit saying how to install it. PyPI's torchvision (which timm imports)
+    is a CUDA build; beside the CPU torch its compiled ops do not load, and the two modules
+    that register kernels for them raise. timm's ViT uses none of them, so they are skipped."""
+    for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    try:
+        import timm
+    except ImportError as e:
+        raise SystemExit(f"timm is needed for the 2d case ({e}); benchmark only:\n    {TIMM_HINT}")
+    return timm
+
+
+def import_monai_vit():
+    try:
+        import einops  # noqa: F401  (MONAI's attention block needs it)
+        from monai.networks.nets import ViT
+    except ImportError as e:
+        raise SystemExit(f"MONAI (and einops) are needed for the 3d case ({e}); benchmark only:"
+                         f"\n    {MONAI_HINT}")
+    return ViT
+
+
+def peer_training_flops(model: nn.Module, patch_conv: nn.Module, blocks, n_patches: int,
+                        n_tokens: int) -> int:
+    """flops.py's formulas on a peer ViT: patch convolution (no input gradient), then every
+    block on ``n_tokens`` tokens."""
+    flops = linear_training_flops(n_patches, patch_conv.weight.numel(), input_needs_grad=False)
+    return flops + sum(block_training_flops(b, n_tokens) for b in blocks)
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def our_extras(vit) -> str:
+    """What ours has that a plain ViT has not (parameters)."""
+    d = vit.embed_dim
+    ls = sum(b.ls1.gamma.numel() + b.ls2.gamma.numel() for b in vit.blocks
+             if hasattr(b.ls1, "gamma"))
+    kbias = sum(b.attn.qkv.bias.numel() // 3 for b in vit.blocks if b.attn.qkv.bias is not None)
+    return (f"registers {vit.n_storage_tokens * d}, cls+mask token {2 * d}, LayerScale {ls}, "
+            f"masked k-bias {kbias} (always 0), RoPE 0 (a {vit.rope_embed.periods.numel()}-value "
+            f"buffer), no position table")
+
+
+def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...]]:
+    ViT = import_monai_vit()
+    torch.manual_seed(0)
+    grid = s["size"] // s["patch"]
+    n = grid**3
+    ours = build_backbone("dinov3_vits16", ndim=3, in_chans=1, embed_dim=s["dim"],
+                          depth=s["depth"], num_heads=s["heads"], patch_size=s["patch"])
+    seg = SegmentationModel(build_backbone("dinov3_vits16", ndim=3, in_chans=1,
+                                           embed_dim=s["dim"], depth=s["depth"],
+                                           num_heads=s["heads"], patch_size=s["patch"]),
+                            num_classes, head="linear")
+    monai = ViT(in_channels=1, img_size=s["size"], patch_size=s["patch"], hidden_size=s["dim"],
+                mlp_dim=4 * s["dim"], num_layers=s["depth"], num_heads=s["heads"],
+                spatial_dims=3, classification=False)
+    shape = (1, s["size"], s["size"], s["size"])
+    entries = [
+        Entry("ours", ours, lambda x, m=ours: m.forward_features(x)["x_norm_patchtokens"]
+              .square().mean(), training_flops_per_sample(ours, shape), ours.blocks,
+              our_extras(ours)),
+        Entry("ours+linear", seg, lambda x, m=seg: m(x).square().mean(),
+              training_flops_per_sample(seg, shape), seg.backbone.blocks,
+              f"the backbone + a linear head of {n_params(seg.head)}"),
+        Entry("MONAI ViT", monai, lambda x, m=monai: m(x)[0].square().mean(),
+              peer_training_flops(monai, monai.patch_embedding.patch_embeddings, monai.blocks,
+                                  n, n), monai.blocks,
+              f"learned position table {monai.patch_embedding.position_embeddings.numel()}, "
+              f"no qkv bias, an unused cross-attention norm per block "
+              f"{sum(b.norm_cross_attn.weight.numel() * 2 for b in monai.blocks)}"),
+    ]
+    return entries, (s["batch"], *shape)
+
+
+def build_2d(s: dict) -> tuple[list[Entry], tuple[int, ...]]:
+    timm = import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    grid = s["size"] // s["patch"]
+    n = grid**2
+    ours = build_backbone("dinov3_vitb16", ndim=2, in_chans=3, embed_dim=s["dim"],
+                          depth=s["depth"], num_heads=s["heads"], patch_size=s["patch"])
+    if s["dim"] == 768 and s["size"] == 224:
+        peer = timm.create_model("vit_base_patch16_224", num_classes=0)
+    else:
+        peer = VisionTransformer(img_size=s["size"], patch_size=s["patch"], embed_dim=s["dim"],
+                                 depth=s["depth"], num_heads=s["heads"], num_classes=0)
+    r = peer.num_prefix_tokens
+    shape = (3, s["size"], s["size"])
+    entries = [
+        Entry("ours", ours, lambda x, m=ours: m.forward_features(x)["x_norm_patchtokens"]
+              .square().mean(), training_flops_per_sample(ours, shape), ours.blocks,
+              our_extras(ours)),
+        Entry("timm ViT", peer, lambda x, m=peer: m.forward_features(x)[:, r:]
+              .square().mean(),
+              peer_training_flops(peer, peer.patch_embed.proj, peer.blocks, n, n + r),
+              peer.blocks, f"learned position table {peer.pos_embed.numel()}, cls token "
+              f"{peer.cls_token.numel()}"),
+    ]
+    return entries, (s["batch"], *shape)
+
+
+def make_optimizer(model: nn.Module, impl: str) -> torch.optim.Optimizer:
+    kw = {"foreach": impl == "foreach", "fused": True if impl == "fused" else None}
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, **kw)
+
+
+def compile_blocks(blocks) -> None:
+    for i in range(len(blocks)):
+        blocks[i] = torch.compile(blocks[i])
+
+
+def train_step(e: Entry, x: torch.Tensor) -> None:
+    e.loss(x).backward()
+    e.optimizer.step()
+    e.optimizer.zero_grad(set_to_none=True)
+
+
+def gemm_rate(n: int, dtype: torch.dtype) -> float:
+    """FLOP/s of one n x n x n matmul (the best of 3)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def run_case(case: str, mode: str, args) -> None:
+    s = SIZES[case][1 if args.tiny else 0]
+    entries, shape = build_3d(s) if case == "3d" else build_2d(s)
+    torch.manual_seed(1)
+    x = torch.randn(*shape)
+    for e in entries:
+        e.model.train()
+        if mode == "compiled":
+            compile_blocks(e.blocks)
+        e.optimizer = make_optimizer(e.model, args.adamw)
+    warm = args.warmup + (1 if mode == "compiled" else 0)
+    t0 = time.perf_counter()
+    for e in entries:
+        for _ in range(warm):
+            train_step(e, x)
+    setup = time.perf_counter() - t0
+    gemm = gemm_rate(args.gemm, x.dtype)  # also warms the GEMM up
+    gemms = []
+    for r in range(args.repeats):
+        order = entries if r % 2 == 0 else entries[::-1]
+        for e in order:
+            t0 = time.perf_counter()
+            train_step(e, x)
+            e.times.append(time.perf_counter() - t0)
+        gemms.append(gemm_rate(args.gemm, x.dtype))
+    gemm = statistics.median(gemms)
+    peer = entries[-1]
+    batch = shape[0]
+    size = "x".join(map(str, shape[2:]))
+    print(f"\n### {case}, {mode}: input {size}, batch {batch}, float32, AdamW ({args.adamw}), "
+          f"{torch.get_num_threads()} threads, {args.repeats} repeats "
+          f"(warm-up and compile {setup:.0f} s)")
+    print(f"GEMM {args.gemm}^3 float32, median of the rounds: {gemm / 1e9:.1f} GFLOP/s "
+          f"(min {min(gemms) / 1e9:.1f}, max {max(gemms) / 1e9:.1f})\n")
+    print("| model | params (M) | s/step min / median / max | samples/s | vs peer "
+          "| GFLOP/sample | GFLOP/s | of GEMM peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    med_peer = statistics.median(peer.times)
+    for e in entries:
+        med = statistics.median(e.times)
+        achieved = e.flops_per_sample * batch / med
+        ratio = "-" if e is peer else f"**{med_peer / med:.2f}x**"
+        print(f"| {e.name} | {n_params(e.model) / 1e6:.2f} | {min(e.times):.3f} / {med:.3f} / "
+              f"{max(e.times):.3f} | {batch / med:.2f} | {ratio} | "
+              f"{e.flops_per_sample / 1e9:.2f} | {achieved / 1e9:.1f} | {achieved / gemm:.0%} |")
+    ours = entries[0]
+    print(f"\nparameters: ours / {peer.name} = {n_params(ours.model) / n_params(peer.model):.4f}; "
+          f"ours has {ours.params_note}; {peer.name} has {peer.params_note}")
+    if len(entries) > 2:
+        print(f"{entries[1].name}: {entries[1].params_note}")
+    sys.stdout.flush()
+
+
+def profile_case(case: str, args) -> None:
+    """torch.profiler (CPU) of a few steps of our model in ``case``: the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = SIZES[case][1 if args.tiny else 0]
+    entries, shape = build_3d(s) if case == "3d" else build_2d(s)
+    e = entries[0]
+    e.optimizer = make_optimizer(e.model, args.adamw)
+    x = torch.randn(*shape)
+    train_step(e, x)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.repeats):
+            train_step(e, x)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="3d,2d", help="comma-separated: 3d, 2d (default both)")
+    p.add_argument("--modes", default="eager",
+                   help="comma-separated: eager, compiled (default eager)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per model (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per model (default 1; "
+                   "one more when compiled)")
+    p.add_argument("--adamw", choices=("foreach", "for-loop", "fused"), default="foreach",
+                   help="AdamW implementation, the same for every model (default foreach)")
+    p.add_argument("--gemm", type=int, default=4096, help="edge of the peak-rate GEMM")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes, for a quick check")
+    p.add_argument("--profile", default=None, metavar="CASE",
+                   help="profile our model's step in CASE (3d or 2d) instead of comparing")
+    p.add_argument("--profile-rows", type=int, default=25)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.tiny:
+        args.gemm = min(args.gemm, 512)
+    cases = args.cases.split(",")
+    modes = args.modes.split(",")
+    for name, allowed in (("--cases", SIZES), ("--modes", ("eager", "compiled"))):
+        bad = [v for v in (cases if name == "--cases" else modes) if v not in allowed]
+        if bad:
+            raise SystemExit(f"{name}: unknown {bad}; expected some of {', '.join(allowed)}")
+    if args.profile:
+        if args.profile not in SIZES:
+            raise SystemExit(f"--profile: expected one of {', '.join(SIZES)}, got {args.profile!r}")
+        profile_case(args.profile, args)
+        return 0
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for case in cases:
+        for mode in modes:
+            run_case(case, mode, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
