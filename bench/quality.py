@@ -17,7 +17,13 @@ ours only in ``build_model``.
 
 Equal budget: each model first trains ``--calibrate`` steps to measure its step time here,
 then trains ``budget / step time`` steps (so that each finishes its own LR schedule within the
-budget) and validates at the end. The table gives the wall time each run took.
+budget) and validates at the end. The table gives the wall time each run took. ``--steps N``
+trains every model for N steps instead (equal steps, e.g. to compare initialisations).
+
+Pretraining: ``--pretrain NAME=CONFIG [FLAGS]`` runs an MAE pretraining (``train_mae.py``) once,
+before the models; a model named ``MODEL@NAME`` starts from its encoder (loaded into the
+backbone, as ``./run_demo.sh`` does), so ``vit`` and ``vit@mae`` with the same config compare
+scratch and MAE initialisation. The pretraining's wall time is reported beside the table.
 """
 
 from __future__ import annotations
@@ -88,14 +94,16 @@ def unet_task():
 
 
 # --------------------------------------------------------------------------- the runs
-def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path) -> float:
+def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
+           entry_script: str = "train_segmentation.py") -> float:
     """Train one model with torchrun; returns the wall time in seconds."""
     config, *extra = shlex.split(spec)
-    if name in UNETS:
+    kind = name.split("@")[0]
+    if kind in UNETS:
         entry = [str(Path(__file__).resolve()), "--unet-worker"]
-        extra += ["--model.ndim", str(UNETS[name])]
+        extra += ["--model.ndim", str(UNETS[kind])]
     else:
-        entry = [str(REPO / "train_segmentation.py")]
+        entry = [str(REPO / entry_script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(nproc), *entry, "--job.config_file", config, *extra, *argv]
     t0 = time.perf_counter()
@@ -123,11 +131,34 @@ def calibrate(name, spec, data, out, nproc, steps) -> float:
     return statistics.median(times)
 
 
-def train(name, spec, data, out, nproc, steps) -> tuple[float, dict]:
+def pretrain(name, spec, data, out, nproc) -> tuple[Path, float]:
+    """One MAE pretraining (its config's steps); returns its checkpoint folder and wall time."""
+    dump = out / f"pretrain_{name}"
+    wall = launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
+                               "--metrics.eval_freq", "0", "--no-metrics.progress_bar",
+                               "--checkpoint.enable_checkpoint"],
+                  nproc, out / f"pretrain_{name}.log", entry_script="train_mae.py")
+    return dump / "checkpoint", wall
+
+
+def init_flags(name: str, pretrained: dict[str, Path]) -> list[str]:
+    """Flags that start model ``MODEL@PRETRAIN`` from that pretraining's encoder."""
+    if "@" not in name:
+        return []
+    source = name.split("@", 1)[1]
+    if source not in pretrained:
+        raise SystemExit(f"model {name!r}: no --pretrain named {source!r} "
+                         f"(given: {', '.join(pretrained) or 'none'})")
+    return ["--checkpoint.initial_load_path", str(pretrained[source]),
+            "--checkpoint.initial_load_prefix_map", "encoder.=backbone."]
+
+
+def train(name, spec, data, out, nproc, steps, extra=()) -> tuple[float, dict]:
     dump = out / name
     wall = launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
                                "--training.steps", str(steps), "--metrics.eval_freq", "0",
-                               "--no-checkpoint.enable_checkpoint", "--no-metrics.progress_bar"],
+                               "--no-checkpoint.enable_checkpoint", "--no-metrics.progress_bar",
+                               *extra],
                   nproc, out / f"{name}.log")
     scores = {}
     for r in records(dump):
@@ -140,15 +171,22 @@ def table(results: dict[str, tuple[int, float, dict]], classes: list[str]) -> st
     names = list(results)
     rows = [["", *names], ["steps", *(str(results[n][0]) for n in names)],
             ["wall s", *(f"{results[n][1]:.0f}" for n in names)]]
+    def add(label: str, key: str) -> None:
+        rows.append([label, *(f"{results[n][2].get(key, math.nan):.3f}" for n in names)])
+
     for metric in ("iou", "dice"):
         for c in classes:
-            rows.append([f"{metric} {c}", *(f"{results[n][2].get(f'val/{metric}/{c}', math.nan):.3f}"
-                                            for n in names)])
-    rows.append(["mean iou", *(f"{results[n][2].get('val/mean_iou', math.nan):.3f}" for n in names)])
+            add(f"{metric} {c}", f"val/{metric}/{c}")
+    add("mean iou", "val/mean_iou")
     extra = sorted({k for n in names for k in results[n][2]
                     if k.startswith("val/") and ("f1" in k or "instance" in k)})
     for k in extra:
-        rows.append([k[4:], *(f"{results[n][2].get(k, math.nan):.3f}" for n in names)])
+        add(k[4:], k)
+    # Scores after post-processing (inference.min_object_nm3, fill_holes, instances), when on.
+    post = sorted({k for n in names for k in results[n][2] if k.startswith("val_post/")
+                   and ("iou" in k or "f1" in k)})
+    for k in post:
+        add("post " + k[len("val_post/"):], k)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -163,6 +201,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds of training per model")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--calibrate", type=int, default=12, help="steps to time each model")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train every model this many steps (default: the budget decides)")
+    parser.add_argument("--pretrain", action="append", default=[], metavar="NAME=CONFIG [FLAGS]",
+                        help="an MAE pretraining, run first; models named MODEL@NAME start "
+                             "from its encoder")
     parser.add_argument("--model", action="append", default=None, metavar="NAME=CONFIG [FLAGS]",
                         help="a model to train: NAME=CONFIG plus config flags; NAME unet2d or "
                              "unet3d trains MONAI's BasicUNet with that config")
@@ -172,17 +215,27 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
                         str(args.data)], check=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    pretrained: dict[str, Path] = {}
+    for item in args.pretrain:
+        pname, pspec = item.split("=", 1)
+        pretrained[pname], wall = pretrain(pname, pspec, args.data, args.out, args.nproc)
+        print(f"pretraining {pname}: {wall:.0f} s", flush=True)
     results = {}
     classes: list[str] = []
     for name, spec in models.items():
-        step_time = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
-        steps = max(1, int(args.budget / step_time))
-        wall, scores = train(name, spec, args.data, args.out, args.nproc, steps)
+        flags = init_flags(name, pretrained)
+        if args.steps:
+            step_time, steps = math.nan, args.steps
+        else:
+            step_time = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
+            steps = max(1, int(args.budget / step_time))
+        wall, scores = train(name, spec, args.data, args.out, args.nproc, steps, flags)
         results[name] = (steps, wall, scores)
         classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
         print(f"{name}: {step_time:.3f} s/step -> {steps} steps, {wall:.0f} s, mean IoU "
               f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
-    print(f"\nbudget {args.budget:.0f} s per model, data {args.data}, {args.nproc} processes\n")
+    basis = f"{args.steps} steps" if args.steps else f"budget {args.budget:.0f} s"
+    print(f"\n{basis} per model, data {args.data}, {args.nproc} processes\n")
     print(table(results, classes))
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     return 0

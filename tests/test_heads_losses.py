@@ -258,9 +258,19 @@ def test_bce_dice_is_per_sample_mean(ndim):
     for b in (0, 1, 3):
         sl = slice(b, b + 1)
         bce_sum, bce_count = masked_bce_loss(logits[sl], targets[sl], valid[sl])
-        dice_sum, dice_count = soft_dice_loss(logits[sl], targets[sl], valid[sl])
-        expected = expected + bce_sum / bce_count + dice_sum / dice_count
+        # Dice over the classes this sample's valid voxels contain (empty targets: BCE only).
+        dices = [soft_dice_loss(logits[sl, k:k + 1], targets[sl, k:k + 1], valid[sl, k:k + 1])[0]
+                 for k in range(targets.shape[1])
+                 if ((targets[b, k] == 1) & (valid[b, k] == 1)).any()]
+        dice = sum(dices) / len(dices) if dices else 0.0
+        expected = expected + bce_sum / bce_count + dice
     torch.testing.assert_close(total, expected)
+    # A sample whose valid voxels hold no class: its loss is its BCE alone.
+    empty = torch.zeros_like(targets[:1])
+    total_e, count_e = build_loss("bce_dice")(logits[:1], empty, valid[:1])
+    bce_sum, bce_count = masked_bce_loss(logits[:1], empty, valid[:1])
+    assert count_e == 1
+    torch.testing.assert_close(total_e, bce_sum / bce_count)
 
 
 @pytest.mark.parametrize("ndim", [2, 3])

@@ -3,28 +3,57 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
+# Transformer blocks of a backbone ("backbone." in segmentation, "encoder." in the MAE).
+_BLOCK = re.compile(r"^(?:backbone|encoder)\.blocks\.(\d+)\.")
+_BACKBONE = re.compile(r"^(?:backbone|encoder)\.")
+_TOKENS = ("cls_token", "storage_tokens", "mask_token")
+
+
+def layer_depth(name: str, num_blocks: int) -> int:
+    """Depth of a parameter for layer-wise LR decay: 0 for the backbone's embeddings and
+    tokens, ``i + 1`` for its block ``i``, ``num_blocks + 1`` for everything after the last
+    block (its final norm, the head, an MAE decoder)."""
+    match = _BLOCK.match(name)
+    if match:
+        return int(match.group(1)) + 1
+    if _BACKBONE.match(name) and not re.match(r"^(?:backbone|encoder)\.(?:norm|local_cls_norm)\.", name):
+        return 0
+    return num_blocks + 1
+
+
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """AdamW/Adam; weight decay only on matrices and kernels, never on norms, biases, LayerScale
-    or learned tokens (all 1-D or token-shaped parameters)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        is_token = name.split(".")[-1] in ("cls_token", "storage_tokens", "mask_token")
-        (no_decay if p.ndim <= 1 or is_token else decay).append(p)
+    or learned tokens (all 1-D or token-shaped parameters).
+
+    ``optimizer.layer_decay`` < 1 scales the LR of a backbone parameter at depth ``d`` (see
+    :func:`layer_depth`) by ``layer_decay ** (num_blocks + 1 - d)``, as in BEiT's and MAE's
+    fine-tuning: the head learns at the full LR, early blocks change least.
+    """
     o = cfg.optimizer
-    groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    num_blocks = 1 + max((int(m.group(1)) for n, _ in named if (m := _BLOCK.match(n))), default=-1)
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in named:
+        is_token = name.split(".")[-1] in _TOKENS
+        decays = not (p.ndim <= 1 or is_token)
+        depth = layer_depth(name, num_blocks) if o.layer_decay < 1.0 else num_blocks + 1
+        key = (depth, decays)
+        if key not in groups:
+            scale = o.layer_decay ** (num_blocks + 1 - depth)
+            groups[key] = {"params": [], "weight_decay": o.weight_decay if decays else 0.0,
+                           "lr": o.lr * scale}
+        groups[key]["params"].append(p)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
+    # Decaying group first (the historical order), then by depth: a fixed, documented order.
+    ordered = [groups[k] for k in sorted(groups, key=lambda k: (not k[1], k[0]))]
     # foreach=False: identical update order on every parallelism (and works with DTensors).
-    return cls(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    return cls(ordered, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
 
 
 def lr_factor(step: int, warmup: int, total: int, decay_type: str, min_factor: float) -> float:

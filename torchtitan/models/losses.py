@@ -120,7 +120,13 @@ def bce_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
                   class_weights: ClassWeights = None, eps: float = DICE_EPS) -> LossTerms:
     """BCE + soft Dice, one term per sample.
 
-    BCE has one term per valid voxel and Dice one per annotated (sample, class) pair, so their
+    The Dice term covers only the (sample, class) pairs whose valid voxels contain the class;
+    pairs without it are left to BCE. Dice on an empty target is minimised only by predicting
+    almost exactly nothing (``1 - eps / (sum(p) + eps)``: a probability of 0.01 over a 64^2 crop
+    already costs 0.98), a pull towards missing large classes such as nuclei wherever a crop is
+    ambiguous; BCE weighs such false positives per voxel, as they should be.
+
+    BCE has one term per valid voxel and Dice one per (sample, class) pair, so their
     counts differ and no single (sum, count) pair gives "mean BCE + mean Dice" over a batch
     that is split across ranks. The per-sample level is common to both: each sample
     contributes ``mean BCE over its valid voxels + mean Dice over its annotated classes``;
@@ -130,12 +136,14 @@ def bce_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
     """
     bce_sum, bce_count = _bce_per_sample(logits, targets, valid, class_weights)
     dice, has_valid = _dice_per_pair(logits, targets, valid, eps)
+    v = _valid_mask(valid, logits)
+    has_class = has_valid & (_safe_targets(targets, v, logits.dtype) > 0).flatten(2).any(2)
     w = _class_weights(class_weights, logits)
     if w is not None:
         dice = dice * w.view(1, -1)
-    dice_sum = torch.where(has_valid, dice, torch.zeros_like(dice)).sum(1)
-    dice_count = has_valid.sum(1).to(logits.dtype)
-    keep = bce_count > 0  # the same samples as dice_count > 0
+    dice_sum = torch.where(has_class, dice, torch.zeros_like(dice)).sum(1)
+    dice_count = has_class.sum(1).to(logits.dtype)
+    keep = bce_count > 0  # samples with any valid voxel (their Dice may have no pair)
     per_sample = bce_sum / bce_count.clamp_min(1) + dice_sum / dice_count.clamp_min(1)
     total = torch.where(keep, per_sample, torch.zeros_like(per_sample)).sum()
     return total, keep.sum().to(logits.dtype)

@@ -1,0 +1,74 @@
+"""Optimizer parameter groups: weight decay and layer-wise LR decay."""
+
+import pytest
+import torch
+
+from torchtitan.config_manager import ConfigManager
+from torchtitan.models import build_backbone
+from torchtitan.models.segmentation import SegmentationModel
+from torchtitan.optimizer import build_lr_scheduler, build_optimizer, layer_depth
+
+
+def _model():
+    backbone = build_backbone("vit_debug", ndim=2, in_chans=1, patch_size=8)
+    model = SegmentationModel(backbone, 3, head="multiscale", head_channels=16)
+    model.init_weights()
+    return model
+
+
+def _cfg(*flags):
+    return ConfigManager().parse_args(["--optimizer.lr", "1e-3", "--training.warmup_steps", "0",
+                                       *flags])
+
+
+def _lr_of(optimizer) -> dict[int, float]:
+    return {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+
+
+def test_without_layer_decay_two_groups_and_every_parameter_once():
+    model = _model()
+    opt = build_optimizer(model, _cfg())
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len(set(map(id, params))) == len(list(model.parameters()))
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups)
+
+
+def test_layer_decay_scales_the_lr_by_depth():
+    model = _model()
+    blocks = len(model.backbone.blocks)
+    opt = build_optimizer(model, _cfg("--optimizer.layer_decay", "0.5"))
+    lr = _lr_of(opt)
+    named = dict(model.named_parameters())
+    assert lr[id(named["head.classifier.weight"])] == pytest.approx(1e-3)
+    assert lr[id(named["backbone.norm.weight"])] == pytest.approx(1e-3)
+    last = blocks - 1
+    assert lr[id(named[f"backbone.blocks.{last}.attn.qkv.weight"])] == pytest.approx(1e-3 * 0.5)
+    assert lr[id(named["backbone.blocks.0.attn.qkv.weight"])] == pytest.approx(1e-3 * 0.5**blocks)
+    assert lr[id(named["backbone.patch_embed.proj.weight"])] == pytest.approx(1e-3 * 0.5 ** (blocks + 1))
+    assert lr[id(named["backbone.cls_token"])] == pytest.approx(1e-3 * 0.5 ** (blocks + 1))
+    # Weight decay still follows the parameter's kind, and the schedule keeps the ratios.
+    for g in opt.param_groups:
+        kinds = {p.ndim <= 1 for p in g["params"]}
+        assert len(kinds) == 1 or g["weight_decay"] == 0.0
+    sched = build_lr_scheduler(opt, _cfg("--optimizer.layer_decay", "0.5", "--training.steps", "10"))
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    lr5 = _lr_of(opt)
+    head, first = id(named["head.classifier.weight"]), id(named["backbone.blocks.0.attn.qkv.weight"])
+    assert lr5[head] < 1e-3
+    assert lr5[first] / lr5[head] == pytest.approx(0.5**blocks)
+
+
+def test_layer_depth_of_mae_and_segmentation_names():
+    assert layer_depth("encoder.patch_embed.proj.weight", 4) == 0
+    assert layer_depth("encoder.blocks.2.mlp.fc1.weight", 4) == 3
+    assert layer_depth("encoder.norm.weight", 4) == 5
+    assert layer_depth("decoder.blocks.0.attn.qkv.weight", 4) == 5
+    assert layer_depth("head.proj.weight", 4) == 5
+
+
+def test_layer_decay_out_of_range_is_a_config_error():
+    with pytest.raises(Exception, match="layer_decay"):
+        _cfg("--optimizer.layer_decay", "1.5")
