@@ -19,6 +19,10 @@ Tensors are always stored in their unsharded layout (Meta's, for the ViT). The o
 tensor parallelism shards in strided blocks (the packed qkv weight, and its optimizer states)
 is redistributed to ordinary shards around each save and load (``to_storage_layout``), so a
 TP checkpoint loads under any parallelism and vice versa.
+
+What a start loads is decided first (:func:`plan_resume`), before the model is initialised:
+the trainer initialises only what the plan does not restore (nothing, on a resume of the
+run's own checkpoint), then :meth:`CheckpointManager.resume` loads it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.errors import UserError
 from torchtitan.parallelisms.tensor_parallel import from_storage_layout, to_storage_layout
@@ -249,92 +252,38 @@ class CheckpointManager:
 
     # -- loading --------------------------------------------------------------------------------
 
-    def resume(self) -> int:
-        """Restore the latest (or ``load_step``) checkpoint of this run; returns its step, or 0
-        when there is none (then a seed checkpoint from ``initial_load_path`` is loaded).
-
-        A run whose own folder holds only a model-only ``step-0`` (a seed written there by
-        ``pth_to_dcp.py`` or ``checkpoint.create_seed_checkpoint``) starts from its weights at
-        step 0 with a fresh optimizer, as torchtitan does; once the run has saved a full
-        checkpoint, that one is resumed instead.
-        """
-        self.remove_stale_tmp()
-        if not self.enabled:
-            steps = complete_steps(self.folder)
-            if steps:
-                logger.warning("checkpoint.enable_checkpoint is off: the checkpoints in %s "
-                               "(steps %s) are not loaded", self.folder, steps)
-            return self._load_initial()  # a warm start needs no checkpointing of this run
-        steps = readable_steps(self.folder)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in steps:
-                raise CheckpointError(
-                    f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
-                    f"{self.folder}/step-{self.cfg.load_step}; available steps: {steps or 'none'}"
-                )
-            step = self.cfg.load_step
-            if step == SEED_STEP and not _has_optimizer_state(self.folder / f"step-{step}"):
-                return self.load_seed(self.folder / f"step-{step}")
-        elif steps:
-            # The newest checkpoint that can resume training (a model-only final export
-            # cannot).
-            full = [s for s in steps if _has_optimizer_state(self.folder / f"step-{s}")]
-            if not full and steps[-1] == SEED_STEP:
-                return self.load_seed(self.folder / f"step-{SEED_STEP}")
-            if not full:
-                raise CheckpointError(
-                    f"{self.folder} holds only model-only checkpoints {steps}; start a new "
-                    "dump_folder and seed it with checkpoint.initial_load_path (a model-only "
-                    "step-0 alone would be taken as the run's seed, a later one is a final export)"
-                )
-            step = full[-1]
-        else:
-            return self._load_initial()
-        # This run's own checkpoint: everything is restored (exclude_from_loading is for warm
-        # starts only, else every restart would reset the step and the optimizer).
-        return self.load_full(self.folder / f"step-{step}")
-
-    def _load_initial(self) -> int:
-        """Warm start from ``initial_load_path`` (another run's checkpoint or a seed): model
-        weights only, or everything but ``exclude_from_loading``; returns the restored step."""
-        if not self.cfg.initial_load_path:
+    def resume(self, plan: ResumePlan | None = None) -> int:
+        """Restore what ``plan`` (by default :func:`plan_resume`'s) names; returns the
+        restored step (0 for a fresh start, a seed or a warm start of the weights)."""
+        if plan is None:
+            plan = plan_resume(self.cfg, self.folder, self.model)
+        if plan.kind == "weights":
+            load_model_weights(self.model, plan.path, list(plan.prefix_map))
             return 0
-        if self.cfg.initial_load_model_only:
-            load_model_weights(self.model, self.cfg.initial_load_path,
-                               self.cfg.initial_load_prefix_map)
-            return 0
-        return self.load_full(resolve_step_folder(self.cfg.initial_load_path),
-                              self.cfg.exclude_from_loading)
+        if plan.kind == "seed":
+            return self.load_seed(plan.path, list(plan.prefix_map))
+        if plan.kind == "full":
+            return self.load_full(plan.path, list(plan.exclude))
+        return 0
 
     def remove_stale_tmp(self) -> None:
-        """Remove the ``.step-N.tmp`` / ``.best.json.tmp`` left by a job killed mid-write
-        (rank 0, before anything else reads or writes the folder)."""
-        if _is_rank0() and self.folder.is_dir():
-            for p in self.folder.iterdir():
-                if STALE_TMP_RE.match(p.name):
-                    logger.warning("removing %s, left by an interrupted save", p)
-                    if p.is_dir():
-                        shutil.rmtree(p, ignore_errors=True)
-                    else:
-                        p.unlink(missing_ok=True)
-        _barrier()
+        """See :func:`remove_stale_tmp`."""
+        remove_stale_tmp(self.folder)
 
-    def load_seed(self, path: Path) -> int:
+    def load_seed(self, path: Path, prefix_map: list[str] | None = None) -> int:
         """Start training from the model-only seed ``path`` in the run's own folder: its model
         weights, step 0, a fresh optimizer and schedule.
 
-        Without ``initial_load_prefix_map``, the seed's top-level parts (``backbone.``,
-        ``encoder.``, or every part of a ``create_seed_checkpoint``) are loaded, strictly;
-        model parts the seed does not hold (a new segmentation head) keep their initialisation.
+        ``prefix_map`` (by default ``initial_load_prefix_map``, or else every top-level part
+        that seed and model share: ``backbone.``, ``encoder.``, or every part of a
+        ``create_seed_checkpoint``) says what is loaded, strictly; model parts the seed does
+        not hold (a new segmentation head) keep their initialisation.
         """
-        if (self.cfg.initial_load_path
-                and resolve_step_folder(self.cfg.initial_load_path).resolve() != path.resolve()):
-            logger.warning("checkpoint.initial_load_path %s is ignored: the run's own folder "
-                           "holds the seed %s", self.cfg.initial_load_path, path)
         model_keys = list(get_model_state_dict(self.model))
         seed_keys = [k[len("model."):] for k in checkpoint_keys(path) if k.startswith("model.")]
-        prefix_map = list(self.cfg.initial_load_prefix_map) or _shared_parts_map(
-            path, seed_keys, model_keys)
+        if prefix_map is None:
+            prefix_map = list(self.cfg.initial_load_prefix_map) or _shared_parts_map(
+                path, seed_keys, model_keys)
         pairs = _parse_prefix_map(prefix_map)
         _check_seed_shapes(self.model, path, pairs)
         load_model_weights(self.model, path, prefix_map)
@@ -360,6 +309,8 @@ class CheckpointManager:
                 f"{path} holds only model weights (a seed or model-only export); load it with "
                 "checkpoint.initial_load_path instead of resuming from it"
             )
+        if "optimizer" not in exclude:
+            _init_optimizer_state(self.optimizer)
         own = {k: v for k, v in self._state().items() if k not in exclude}
         stored_layout = to_storage_layout(own)
         dcp.load(stored_layout, checkpoint_id=str(path))
@@ -376,6 +327,153 @@ class CheckpointManager:
             step = self.train_state.step
         logger.info("resumed from %s%s", path, f" (not restored: {exclude})" if exclude else "")
         return step
+
+
+class ResumePlan:
+    """What a start loads, decided before the model is initialised, so that nothing the
+    checkpoint restores is initialised first (:meth:`restored_model_keys`).
+
+    ``kind``: ``"none"`` (a fresh start), ``"full"`` (model, optimizer, schedule and train
+    state of ``path``, less ``exclude``), ``"weights"`` (model weights of ``path`` through
+    ``prefix_map``: ``initial_load_model_only``) or ``"seed"`` (a model-only ``step-0`` in
+    the run's own folder, through ``prefix_map``).
+    """
+
+    def __init__(self, kind: str, path: Path | None = None, exclude: list[str] = (),
+                 prefix_map: list[str] = ()):
+        self.kind = kind
+        self.path = path
+        self.exclude = tuple(exclude)
+        self.prefix_map = tuple(prefix_map)
+
+    def restored_model_keys(self, model_keys) -> set[str]:
+        """The model state-dict keys among ``model_keys`` that this plan loads."""
+        if self.kind == "none" or (self.kind == "full" and "model" in self.exclude):
+            return set()
+        pairs = _parse_prefix_map(list(self.prefix_map))
+        if self.kind == "full" or not pairs:
+            return set(model_keys)
+        return {k for k in model_keys if any(k.startswith(dst) for _, dst in pairs)}
+
+    def describe(self) -> str:
+        return "a fresh start" if self.kind == "none" else f"{self.path} ({self.kind})"
+
+
+def plan_resume(cfg, folder: Path, model: torch.nn.Module) -> ResumePlan:
+    """What :meth:`CheckpointManager.resume` loads: the latest (or ``load_step``) checkpoint
+    of this run; else, with ``initial_load_path``, a warm start from it; else nothing.
+
+    ``cfg`` is the ``[checkpoint]`` section, ``folder`` the run's checkpoint folder. A run
+    whose own folder holds only a model-only ``step-0`` (a seed written there by
+    ``pth_to_dcp.py`` or ``checkpoint.create_seed_checkpoint``) starts from its weights at
+    step 0 with a fresh optimizer, as torchtitan does; once the run has saved a full
+    checkpoint, that one is resumed instead. Removes the temporary folders of interrupted
+    saves first (rank 0) and raises :class:`CheckpointError` for a checkpoint that cannot be
+    used as asked.
+    """
+    remove_stale_tmp(folder)
+    if not cfg.enable_checkpoint:
+        steps = complete_steps(folder)
+        if steps:
+            logger.warning("checkpoint.enable_checkpoint is off: the checkpoints in %s "
+                           "(steps %s) are not loaded", folder, steps)
+        return _plan_initial(cfg)  # a warm start needs no checkpointing of this run
+    steps = readable_steps(folder)
+    if cfg.load_step >= 0:
+        if cfg.load_step not in steps:
+            raise CheckpointError(
+                f"checkpoint.load_step={cfg.load_step}: no complete checkpoint "
+                f"{folder}/step-{cfg.load_step}; available steps: {steps or 'none'}"
+            )
+        step = cfg.load_step
+        if step == SEED_STEP and not _has_optimizer_state(folder / f"step-{step}"):
+            return _plan_seed(cfg, folder / f"step-{step}", model)
+    elif steps:
+        # The newest checkpoint that can resume training (a model-only final export cannot).
+        full = [s for s in steps if _has_optimizer_state(folder / f"step-{s}")]
+        if not full and steps[-1] == SEED_STEP:
+            return _plan_seed(cfg, folder / f"step-{SEED_STEP}", model)
+        if not full:
+            raise CheckpointError(
+                f"{folder} holds only model-only checkpoints {steps}; start a new "
+                "dump_folder and seed it with checkpoint.initial_load_path (a model-only "
+                "step-0 alone would be taken as the run's seed, a later one is a final export)"
+            )
+        step = full[-1]
+    else:
+        return _plan_initial(cfg)
+    # This run's own checkpoint: everything is restored (exclude_from_loading is for warm
+    # starts only, else every restart would reset the step and the optimizer).
+    return ResumePlan("full", folder / f"step-{step}")
+
+
+def _plan_initial(cfg) -> ResumePlan:
+    """Warm start from ``initial_load_path`` (another run's checkpoint or a seed): model
+    weights only, or everything but ``exclude_from_loading``."""
+    if not cfg.initial_load_path:
+        return ResumePlan("none")
+    if cfg.initial_load_model_only:
+        return ResumePlan("weights", Path(cfg.initial_load_path),
+                          prefix_map=cfg.initial_load_prefix_map)
+    return ResumePlan("full", resolve_step_folder(cfg.initial_load_path),
+                      exclude=cfg.exclude_from_loading)
+
+
+def _plan_seed(cfg, path: Path, model: torch.nn.Module) -> ResumePlan:
+    if cfg.initial_load_path and resolve_step_folder(cfg.initial_load_path).resolve() != path.resolve():
+        logger.warning("checkpoint.initial_load_path %s is ignored: the run's own folder "
+                       "holds the seed %s", cfg.initial_load_path, path)
+    prefix_map = list(cfg.initial_load_prefix_map)
+    if not prefix_map:
+        model_keys = list(get_model_state_dict(model))
+        seed_keys = [k[len("model."):] for k in checkpoint_keys(path) if k.startswith("model.")]
+        prefix_map = _shared_parts_map(path, seed_keys, model_keys)
+    return ResumePlan("seed", path, prefix_map=prefix_map)
+
+
+def remove_stale_tmp(folder: Path) -> None:
+    """Remove the ``.step-N.tmp`` / ``.best.json.tmp`` left by a job killed mid-write
+    (rank 0, before anything else reads or writes the folder)."""
+    if _is_rank0() and folder.is_dir():
+        for p in folder.iterdir():
+            if STALE_TMP_RE.match(p.name):
+                logger.warning("removing %s, left by an interrupted save", p)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+    _barrier()
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state (zeros), for DCP to load into, one parameter at a time.
+
+    ``get_optimizer_state_dict`` would create it with one step on zero gradients of every
+    parameter at once, which holds a full set of gradients (as much memory as the weights) on
+    top of weights and state. Here each parameter gets a zero gradient, a step at learning
+    rate 0 (which changes no weight) and loses the gradient again, before the next one.
+    """
+    if optimizer.state:
+        return
+    groups = optimizer.param_groups
+    saved = [(g["params"], g["lr"]) for g in groups]
+    try:
+        for g in groups:
+            g["params"] = []
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        for g, (params, _) in zip(groups, saved):
+            for p in params:
+                if not p.requires_grad:
+                    continue
+                g["params"] = [p]
+                p.grad = torch.zeros_like(p)
+                optimizer.step()
+                p.grad = None
+            g["params"] = []
+    finally:
+        for g, (params, lr) in zip(groups, saved):
+            g["params"], g["lr"] = params, lr
 
 
 def _failure_causes(error: BaseException) -> list[tuple[int | None, BaseException]]:
@@ -531,30 +629,3 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
                 break
     set_model_state_dict(model, inverse, options=StateDictOptions(strict=False))
     logger.info("loaded %d model weights from %s", len(inverse), path)
-
-
-@torch.no_grad()
-def load_full_state_dict(model: torch.nn.Module, reference: dict | None) -> None:
-    """Load a full (unsharded) state dict that only rank 0 holds into a (parallelised,
-    compiled, checkpoint-wrapped) model, by clean names: each tensor is broadcast in turn and
-    every rank keeps its own shard of it.
-
-    (``set_model_state_dict(..., broadcast_from_rank0=True)`` does this too, but it cuts a
-    shard out of the full tensor as one block, which is wrong for the strided shards of the
-    tensor-parallel qkv weight; ``distribute_tensor`` handles every placement.)
-    """
-    distributed = dist.is_initialized()
-    rank0 = not distributed or dist.get_rank() == 0
-    for key, local in get_model_state_dict(model).items():
-        if rank0:
-            full = reference[key].to(device=local.device, dtype=local.dtype).contiguous()
-        else:
-            full = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-        if distributed:
-            dist.broadcast(full, src=0)
-        if isinstance(local, DTensor):
-            shard = distribute_tensor(full, local.device_mesh, local.placements,
-                                      src_data_rank=None)
-            local.to_local().copy_(shard.to_local())
-        else:
-            local.copy_(full)

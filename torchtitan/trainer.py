@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import time
 from datetime import timedelta
@@ -24,13 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchtitan.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    ResumePlan,
     complete_steps,
-    load_full_state_dict,
+    plan_resume,
 )
 from torchtitan.config_manager import (
     ConfigError,
@@ -54,6 +57,7 @@ from torchtitan.parallelisms.parallelize import (
     wrap_ddp,
 )
 from torchtitan.parallelisms.process_group import init_process_group
+from torchtitan.parallelisms.seeded_init import init_model
 from torchtitan.parallelisms.utils import clip_grad_norm_
 from torchtitan.preemption import (
     NONFINITE_EXIT_CODE,
@@ -154,9 +158,12 @@ class Trainer:
             self.attention = resolve_attention_backend(cfg.model.attention, _device())
         except RuntimeError as e:
             raise ConfigError(f"model.attention = {cfg.model.attention!r}: {e}") from None
+        # The one build of the model per start: on the meta device (no memory, no values);
+        # parallelised, materialised shard by shard and initialised or loaded in setup().
+        with torch.device("meta"):
+            self.meta_model = task.build_model()
         if self.dims.tp_enabled:  # does the model split over the tp ranks?
-            with torch.device("meta"):
-                check_parallelism(task.build_model(), self.dims, cfg)
+            check_parallelism(self.meta_model, self.dims, cfg)
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -180,29 +187,33 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     def _init_model(self) -> None:
-        """Build on the meta device, parallelise, materialise, then load one reference
-        initialisation (made on the CPU from the seed) so every parallelism starts from the
-        same weights."""
-        with torch.device("meta"):
-            model = self.task.build_model()
+        """Parallelise the meta model and materialise this rank's shards (``to_empty``: no
+        values yet); :meth:`_init_weights` fills them."""
+        model, self.meta_model = self.meta_model, None
         self.flops_per_sample = self.task.flops_per_sample(model)
         self.num_params = sum(p.numel() for p in model.parameters())
         use_attention(model, self.attention)  # before compile: blocks see "sdpa" or "fa4"
         model = parallelize(model, self.dims, self.mesh, self.cfg)
         model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights()  # also computes buffers that are not in the state dict
-        reference = None
-        if self.rank == 0:
-            torch.manual_seed(self.cfg.training.seed)
-            reference = self.task.build_model()
-            reference.init_weights()  # attention is not part of the weights: left as built
-            reference = reference.state_dict()
-        load_full_state_dict(model, reference)  # broadcast from rank 0, keep own shards
-        self.model = wrap_ddp(model, self.dims, self.mesh)
+        self.model = model
+
+    def _init_weights(self, plan: ResumePlan) -> None:
+        """Initialise, on each rank's own shards and from ``training.seed``, every tensor that
+        ``plan`` does not restore (``parallelisms/seeded_init.py``: each tensor drawn from a
+        generator seeded by the seed and its name, so every parallelism starts from the same
+        weights and no rank holds more than one full tensor); then wrap DDP."""
+        t0 = time.perf_counter()
+        restored = plan.restored_model_keys(get_model_state_dict(self.model).keys())
+        done = init_model(self.model, self.cfg.training.seed, skip=restored)
+        logger.info("initialised %d model tensors from training.seed %d in %.1f s%s", len(done),
+                    self.cfg.training.seed, time.perf_counter() - t0,
+                    f"; {len(restored)} are loaded from {plan.describe()} instead"
+                    if restored else "")
+        self.model = wrap_ddp(self.model, self.dims, self.mesh)
         self.autocast = autocast_context(self.dims, self.cfg, self.device.type)
 
     def setup(self) -> None:
+        self.setup_started = time.perf_counter()
         cfg = self.cfg
         dump = Path(cfg.job.dump_folder)
         # Resuming checkpoints of another model fails inside DCP with a raw traceback: compare
@@ -217,6 +228,11 @@ class Trainer:
             logger.info("resolved config saved to %s", save_launch_config(cfg, dump))
         torch.manual_seed(cfg.training.seed)
         self._init_model()
+        # What this start loads is decided before initialising, which then skips it: a resume
+        # initialises nothing, a seed checkpoint only the parts it lacks.
+        plan = (ResumePlan("none") if cfg.checkpoint.create_seed_checkpoint else
+                plan_resume(cfg.checkpoint, dump / cfg.checkpoint.folder, self.model))
+        self._init_weights(plan)
         self.optimizer = build_optimizer(self.model, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.state = TrainState(cfg.training.batch_size, self.dims.dp_degree)
@@ -224,7 +240,7 @@ class Trainer:
                                             self.state)
         if cfg.checkpoint.create_seed_checkpoint:
             return  # the caller saves the freshly initialised model and exits
-        self.state.step = self.checkpoint.resume()
+        self.state.step = self.checkpoint.resume(plan)
         self._restore_best()
         if self.rank == 0 and _env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0:
             requeue_marker(cfg.job.dump_folder).unlink(missing_ok=True)  # a fresh launch
@@ -371,6 +387,11 @@ class Trainer:
 
             bar = tqdm(total=total, initial=start, desc=self.task.name, dynamic_ncols=True)
         self.model.train()
+        # ru_maxrss (KiB on Linux) so far: the start-up's peak, before the first step's
+        # activations, gradients and (on a fresh start) optimizer state.
+        logger.info("start-up: %.1f s from setup to the first step; peak host memory %.0f MiB",
+                    time.perf_counter() - self.setup_started,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         scores: dict[str, float] = {}
         resampled_local = 0
         skipped_in_a_row = 0

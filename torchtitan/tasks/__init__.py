@@ -1,8 +1,8 @@
 """Training tasks: what differs between MAE pretraining and segmentation.
 
 A task is a :class:`Task` (``tasks/base.py``): ``prepare()`` (read and check the data before
-any process group exists), ``build_model()`` (called under the meta device and once on the CPU
-for the reference initialisation), ``flops_per_sample(model)``, ``train_dataset()``,
+any process group exists), ``build_model()`` (called once per start, under the meta device;
+each rank initialises its own shards), ``flops_per_sample(model)``, ``train_dataset()``,
 ``loss_terms(model, batch) -> (sum, count)``, ``validate(model, ctx) -> scores`` with a
 :class:`ValidationContext` (not the trainer), ``best_metric`` / ``best_higher`` and
 ``summary(scores)``. The trainer does everything else, so a new task touches no loop code.

@@ -50,8 +50,8 @@ class Task(Protocol):
         """Read and check the data, before any process group exists."""
 
     def build_model(self) -> nn.Module:
-        """The model; called under the meta device, and once on the CPU for the reference
-        initialisation."""
+        """The model; called once per start, under the meta device (each rank then initialises
+        its own shards, tensor by tensor, with the model's ``init_weights``)."""
 
     def flops_per_sample(self, model: nn.Module) -> float:
         """Training FLOPs (forward and backward) of one sample."""
