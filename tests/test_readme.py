@@ -193,10 +193,12 @@ def _script_kind(path: Path) -> str:
     """'config' for the training entries, 'argparse', 'slurm' or 'other'."""
     if path.suffix == ".py":
         source = path.read_text()
-        if re.search(r"from torchtitan\.trainer import run\b", source):
-            return "config"
+        # A script with its own argument parser (e.g. a benchmark that also starts training
+        # workers) is checked against its --help; the training entries have none.
         if "argparse" in source:
             return "argparse"
+        if re.search(r"from torchtitan\.trainer import run\b", source):
+            return "config"
     if path.suffix == ".sh" and "slurm_launch.sh" in path.read_text():
         return "slurm"
     return "other"
