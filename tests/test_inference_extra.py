@@ -319,12 +319,14 @@ def _predict_and_score(dump, demo_data, out, crops, *extra):
 
 def _assert_same_scores(val, scored):
     """Per-class IoU and Dice logged by validation == the scoring command's, to 1e-6 (they
-    come out bit-identical: same windows, batches, blending and threshold)."""
+    come out bit-identical: same windows, batches, blending and threshold; both pool the voxel
+    counts over crops, as the challenge's 2025 metric does). The overall score is not compared:
+    validation's instance score is still the per-crop one, the scoring command's the 2025 one."""
     assert set(scored["classes"]) == set(CLASSES)
+    assert scored["metric"].startswith("cellmap-2025")
     for cls in CLASSES:
         assert scored["classes"][cls]["iou"] == pytest.approx(val[f"val/iou/{cls}"], abs=1e-6), cls
         assert scored["classes"][cls]["dice"] == pytest.approx(val[f"val/dice/{cls}"], abs=1e-6), cls
-    assert scored["overall"]["score"] == pytest.approx(val["val/score"], abs=1e-6)
 
 
 @pytest.fixture(scope="module")

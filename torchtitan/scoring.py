@@ -19,7 +19,8 @@ Metric versions (``--metric-version``), as the challenge defines them:
 ``2025`` (default; the organisers' revised metric), per class over all scored crops:
 
 * semantic classes: voxel TP/FP/FN pooled over crops, IoU = TP / (TP + FP + FN) (1 when the
-  class is empty everywhere and predicted empty);
+  class is empty everywhere and predicted empty); Dice = 2 TP / (2 TP + FP + FN) from the same
+  counts is reported beside it;
 * instance classes: the prediction is split into connected components (full connectivity),
   matched one-to-one to the true instances for maximal total IoU; TP/FP/FN instance counts
   pooled over crops give F1. Every true instance contributes one Hausdorff distance (to its
@@ -344,7 +345,8 @@ def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VE
         out = {"type": kind, "crops": len(entries)}
         if version == "2025":
             tp, fp, fn = (sum(e[k] for e in entries) for k in ("tp", "fp", "fn"))
-            out.update(tp=tp, fp=fp, fn=fn, iou=tp / (tp + fp + fn) if tp + fp + fn else 1.0)
+            out.update(tp=tp, fp=fp, fn=fn, iou=tp / (tp + fp + fn) if tp + fp + fn else 1.0,
+                       dice=2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0)
             if kind == "instance":
                 itp, ifp, ifn = (sum(e[f"instance_{k}"] for e in entries) for k in ("tp", "fp", "fn"))
                 hsum = sum(e["hausdorff_norm_sum"] for e in entries)
