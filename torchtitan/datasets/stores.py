@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
+from torchtitan.datasets.zarr_chunks import unit_box
 
 logger = logging.getLogger(__name__)
 
@@ -416,19 +417,8 @@ class TensorStoreArray:
         return f"TensorStoreArray({self.path!r}, {self.driver}, shape={self.shape}, dtype={self.dtype})"
 
     def __getitem__(self, selection) -> np.ndarray:
-        if selection is Ellipsis:
-            selection = tuple(slice(None) for _ in self.shape)
-        if not isinstance(selection, tuple):
-            selection = (selection,)
-        if len(selection) != self.ndim or not all(isinstance(s, slice) for s in selection):
-            raise IndexError(f"{self.path}: only a slice per dimension is supported, got {selection!r}")
-        box = []
-        for s, n in zip(selection, self.shape):
-            a, b, step = s.indices(n)
-            if step != 1:
-                raise IndexError(f"{self.path}: only unit steps are supported, got {s!r}")
-            box.append(slice(a, max(a, b)))
-        return np.asarray(self._ts[tuple(box)].read().result())
+        box = tuple(slice(a, b) for a, b in unit_box(self.path, self.shape, selection))
+        return np.asarray(self._ts[box].read().result())
 
 
 def open_tensorstore(location: str) -> TensorStoreArray:

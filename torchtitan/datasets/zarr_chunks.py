@@ -37,6 +37,24 @@ def _fill(value, dtype: np.dtype):
     raise ValueError(f"fill value {value!r}")
 
 
+def unit_box(path: str, shape, selection) -> list[tuple[int, int]]:
+    """``arr[...]`` or a unit-step slice per dimension -> [(start, stop), ...] within ``shape``;
+    anything else is an IndexError naming ``path``."""
+    if selection is Ellipsis:
+        return [(0, n) for n in shape]
+    if not isinstance(selection, tuple):
+        selection = (selection,)
+    if len(selection) != len(shape) or not all(isinstance(s, slice) for s in selection):
+        raise IndexError(f"{path}: only a slice per dimension is supported, got {selection!r}")
+    box = []
+    for s, n in zip(selection, shape):
+        a, b, step = s.indices(n)
+        if step != 1:
+            raise IndexError(f"{path}: only unit steps are supported, got {s!r}")
+        box.append((a, max(a, b)))
+    return box
+
+
 class ChunkedArray:
     """Read-only view of a regularly chunked zarr array, read chunk file by chunk file.
 
@@ -90,19 +108,7 @@ class ChunkedArray:
         return data.reshape(self.chunks)
 
     def _box(self, selection) -> list[tuple[int, int]]:
-        if selection is Ellipsis:
-            return [(0, n) for n in self.shape]
-        if not isinstance(selection, tuple):
-            selection = (selection,)
-        if len(selection) != self.ndim or not all(isinstance(s, slice) for s in selection):
-            raise IndexError(f"{self.path}: only a slice per dimension is supported, got {selection!r}")
-        box = []
-        for s, n in zip(selection, self.shape):
-            a, b, step = s.indices(n)
-            if step != 1:
-                raise IndexError(f"{self.path}: only unit steps are supported, got {s!r}")
-            box.append((a, max(a, b)))
-        return box
+        return unit_box(self.path, self.shape, selection)
 
     def __getitem__(self, selection) -> np.ndarray:
         box = self._box(selection)
