@@ -127,12 +127,12 @@ def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...
     torch.manual_seed(0)
     grid = s["size"] // s["patch"]
     n = grid**3
-    ours = build_backbone("dinov3_vits16", ndim=3, in_chans=1, embed_dim=s["dim"],
-                          depth=s["depth"], num_heads=s["heads"], patch_size=s["patch"])
-    seg = SegmentationModel(build_backbone("dinov3_vits16", ndim=3, in_chans=1,
-                                           embed_dim=s["dim"], depth=s["depth"],
-                                           num_heads=s["heads"], patch_size=s["patch"]),
-                            num_classes, head="linear")
+    def backbone():
+        return build_backbone("dinov3_vits16", ndim=3, in_chans=1, embed_dim=s["dim"],
+                              depth=s["depth"], num_heads=s["heads"], patch_size=s["patch"])
+
+    ours = backbone()
+    seg = SegmentationModel(backbone(), num_classes, head="linear")
     monai = ViT(in_channels=1, img_size=s["size"], patch_size=s["patch"], hidden_size=s["dim"],
                 mlp_dim=4 * s["dim"], num_layers=s["depth"], num_heads=s["heads"],
                 spatial_dims=3, classification=False)
