@@ -32,6 +32,12 @@ divided by the float32 matmul rate of a --gemm x --gemm GEMM measured in the sam
 (median). FLOPs are those of ``torchtitan/models/flops.py`` (matmuls and attention scores);
 for the peers the same formulas are applied to their layers (patch convolution, every linear
 of every block, attention over all tokens).
+
+GEMMs alone: the matmuls of one step of each model (every linear layer's forward,
+input-gradient and weight-gradient GEMM at the shapes its forward sees, the patch
+convolution's, and attention's six batched matmuls per block), timed back to back on their
+own. The "ceiling" line divides the peer's median step by our model's GEMMs-alone time: the
+largest ratio any step of ours doing the same matmuls in the same dtype could reach.
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ class Entry:
     params_note: str = ""
     times: list[float] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
+    heads: int = 0
+    head_dim: int = 0
+    gemm_s: float = 0.0
 
 
 def import_timm():
@@ -183,6 +192,63 @@ def build_2d(s: dict) -> tuple[list[Entry], tuple[int, ...]]:
     return entries, (s["batch"], *shape)
 
 
+def step_gemms(e: Entry, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """The matmuls of one training step of ``e``, as (batch, m, k, n) shapes: found by
+    running its forward once with hooks on every linear layer and the patch convolution
+    (forward, input-gradient and weight-gradient GEMMs), plus the six batched matmuls per
+    block of attention (forward scores and output; backward dP, dV, dQ, dK)."""
+    shapes: list[tuple[int, ...]] = []
+
+    def on_linear(mod, inputs, out):
+        a = inputs[0]
+        m, k, n = a.numel() // mod.in_features, mod.in_features, mod.out_features
+        shapes.append((1, m, k, n))                      # forward
+        if a.requires_grad:
+            shapes.append((1, m, n, k))                  # grad of the input
+        shapes.append((1, n, m, k))                      # grad of the weight
+
+    def on_patch_conv(mod, inputs, out):  # a convolution whose kernel equals its stride
+        w = mod.weight
+        m, k, n = out.numel() // w.shape[0], w[0].numel(), w.shape[0]
+        shapes.append((1, m, k, n))
+        if inputs[0].requires_grad:
+            shapes.append((1, m, n, k))
+        shapes.append((1, n, m, k))
+
+    def on_attention(mod, inputs, out):
+        b, t, _ = inputs[0].shape
+        bh, hd = b * e.heads, e.head_dim
+        shapes.extend([(bh, t, hd, t), (bh, t, t, hd)] * 3)
+
+    hooks = [m.register_forward_hook(on_linear) for m in e.model.modules()
+             if isinstance(m, nn.Linear)]
+    hooks += [m.register_forward_hook(on_patch_conv) for m in e.model.modules()
+              if isinstance(m, (nn.Conv2d, nn.Conv3d)) and m.kernel_size == m.stride]
+    hooks += [b.register_forward_hook(on_attention) for b in e.blocks]
+    try:
+        e.loss(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return shapes
+
+
+def gemm_seconds(shapes: list[tuple[int, ...]], repeats: int) -> float:
+    """Median seconds to run ``shapes`` (from :func:`step_gemms`) back to back, alone."""
+    operands = {}
+    for b, m, k, n in shapes:
+        if (b, m, k, n) not in operands:
+            operands[b, m, k, n] = (torch.randn(b, m, k), torch.randn(b, k, n))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for shape in shapes:
+            a, w = operands[shape]
+            torch.bmm(a, w)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def make_optimizer(model: nn.Module, impl: str) -> torch.optim.Optimizer:
     kw = {"foreach": impl == "foreach", "fused": True if impl == "fused" else None}
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, **kw)
@@ -217,7 +283,11 @@ def run_case(case: str, mode: str, args) -> None:
     torch.manual_seed(1)
     x = torch.randn(*shape)
     for e in entries:
+        e.heads, e.head_dim = s["heads"], s["dim"] // s["heads"]
         e.model.train()
+        shapes = step_gemms(e, x)
+        e.gemm_s = gemm_seconds(shapes, args.repeats)
+    for e in entries:
         if mode == "compiled":
             compile_blocks(e.blocks)
         e.optimizer = make_optimizer(e.model, args.adamw)
@@ -246,8 +316,8 @@ def run_case(case: str, mode: str, args) -> None:
     print(f"GEMM {args.gemm}^3 float32, median of the rounds: {gemm / 1e9:.1f} GFLOP/s "
           f"(min {min(gemms) / 1e9:.1f}, max {max(gemms) / 1e9:.1f})\n")
     print("| model | params (M) | s/step min / median / max | samples/s | vs peer "
-          "| GFLOP/sample | GFLOP/s | of GEMM peak |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| GFLOP/sample | GFLOP/s | of GEMM peak | its GEMMs alone (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     med_peer = statistics.median(peer.times)
     for e in entries:
         med = statistics.median(e.times)
@@ -255,8 +325,12 @@ def run_case(case: str, mode: str, args) -> None:
         ratio = "-" if e is peer else f"**{med_peer / med:.2f}x**"
         print(f"| {e.name} | {n_params(e.model) / 1e6:.2f} | {min(e.times):.3f} / {med:.3f} / "
               f"{max(e.times):.3f} | {batch / med:.2f} | {ratio} | "
-              f"{e.flops_per_sample / 1e9:.2f} | {achieved / 1e9:.1f} | {achieved / gemm:.0%} |")
+              f"{e.flops_per_sample / 1e9:.2f} | {achieved / 1e9:.1f} | {achieved / gemm:.0%} | "
+              f"{e.gemm_s:.3f} |")
     ours = entries[0]
+    print(f"\nceiling: {peer.name}'s median step / our model's GEMMs alone = "
+          f"{med_peer / ours.gemm_s:.2f}x; no {mode} step of ours that does these GEMMs in "
+          f"float32 can beat {peer.name} by more (everything else at zero cost)")
     print(f"\nparameters: ours / {peer.name} = {n_params(ours.model) / n_params(peer.model):.4f}; "
           f"ours has {ours.params_note}; {peer.name} has {peer.params_note}")
     if len(entries) > 2:
@@ -289,8 +363,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per model (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model (default 1; "
                    "one more when compiled)")
-    p.add_argument("--adamw", choices=("foreach", "for-loop", "fused"), default="foreach",
-                   help="AdamW implementation, the same for every model (default foreach)")
+    p.add_argument("--adamw", choices=("foreach", "for-loop", "fused"), default="fused",
+                   help="AdamW implementation, the same for every model (default fused, "
+                   "the trainer's optimizer.implementation default)")
     p.add_argument("--gemm", type=int, default=4096, help="edge of the peak-rate GEMM")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--tiny", action="store_true", help="toy sizes, for a quick check")

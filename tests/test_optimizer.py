@@ -72,3 +72,25 @@ def test_layer_depth_of_mae_and_segmentation_names():
 def test_layer_decay_out_of_range_is_a_config_error():
     with pytest.raises(Exception, match="layer_decay"):
         _cfg("--optimizer.layer_decay", "1.5")
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_every_implementation_takes_the_same_steps(impl):
+    """optimizer.implementation picks the kernel; all three give the same parameters after
+    a few steps (to float rounding), so it is a speed choice only."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 1, 32, 32)
+    finals = {}
+    for name in ("for-loop", impl):
+        torch.manual_seed(0)
+        model = _model()
+        opt = build_optimizer(model, _cfg("--optimizer.implementation", name))
+        group = opt.param_groups[0]
+        assert bool(group["fused"]) == (name == "fused")
+        assert bool(group["foreach"]) == (name == "foreach")
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        finals[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(finals[impl], finals["for-loop"], rtol=1e-5, atol=1e-6)

@@ -179,6 +179,12 @@ class Optimizer:
         "final norm get lr. 1 = off; 0.65-0.85 is usual after pretraining.",
         check=FRACTION,
     )
+    implementation: str = opt(
+        "fused", "Update kernel: 'fused' (one multithreaded kernel per parameter; CPU and "
+        "GPU), 'foreach' (batched tensor ops) or 'for-loop' (one op at a time, the slowest). "
+        "All compute the same update to float rounding.",
+        choices=("fused", "foreach", "for-loop"),
+    )
 
 
 @dataclass

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+
+logger = logging.getLogger(__name__)
 
 
 # Transformer blocks of a backbone ("backbone." in segmentation, "encoder." in the MAE).
@@ -52,8 +56,24 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
     # Decaying group first (the historical order), then by depth: a fixed, documented order.
     ordered = [groups[k] for k in sorted(groups, key=lambda k: (not k[1], k[0]))]
-    # foreach=False: identical update order on every parallelism (and works with DTensors).
-    return cls(ordered, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    implementation = o.implementation
+    if implementation != "for-loop" and len({_placement_kind(p) for _, p in named}) > 1:
+        # Tensor parallelism leaves some parameters plain and others DTensors (or DTensors on
+        # different meshes); a fused or foreach kernel takes only one kind per call.
+        logger.info("optimizer: parameters are of mixed kinds (tensor parallelism); "
+                    "optimizer.implementation %r falls back to 'for-loop'", implementation)
+        implementation = "for-loop"
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
+            "for-loop": {"foreach": False}}[implementation]
+    return cls(ordered, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **impl)
+
+
+def _placement_kind(p: torch.Tensor) -> tuple:
+    """What a fused or foreach kernel needs to be equal across its tensors: plain, or a
+    DTensor on a given mesh."""
+    if isinstance(p, DTensor):
+        return ("dtensor", p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.shape))
+    return ("tensor",)
 
 
 def lr_factor(step: int, warmup: int, total: int, decay_type: str, min_factor: float) -> float:
