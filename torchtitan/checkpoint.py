@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import UserError
 from torchtitan.parallelisms.tensor_parallel import from_storage_layout, to_storage_layout
@@ -452,12 +453,22 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     ``get_optimizer_state_dict`` would create it with one step on zero gradients of every
     parameter at once, which holds a full set of gradients (as much memory as the weights) on
     top of weights and state. Here each parameter gets a zero gradient, a step at learning
-    rate 0 (which changes no weight) and loses the gradient again, before the next one.
+    rate 0 (which changes no weight) and loses the gradient again, before the next one. The
+    zero gradients are views of one scratch buffer of the largest (local) parameter, so that
+    nothing but the state itself is allocated: a fresh tensor per gradient would leave the
+    heap full of freed holes between the state tensors (about 0.4 GiB per rank for ViT-H+).
     """
     if optimizer.state:
         return
     groups = optimizer.param_groups
     saved = [(g["params"], g["lr"]) for g in groups]
+    scratch: dict[tuple, torch.Tensor] = {}
+    for params, _ in saved:
+        for p in params:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            key = (local.dtype, local.device)
+            if key not in scratch or scratch[key].numel() < local.numel():
+                scratch[key] = torch.zeros(local.numel(), dtype=local.dtype, device=local.device)
     try:
         for g in groups:
             g["params"] = []
@@ -467,13 +478,23 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 if not p.requires_grad:
                     continue
                 g["params"] = [p]
-                p.grad = torch.zeros_like(p)
+                p.grad = _zero_grad_view(p, scratch)
                 optimizer.step()
                 p.grad = None
             g["params"] = []
     finally:
         for g, (params, lr) in zip(groups, saved):
             g["params"], g["lr"] = params, lr
+
+
+def _zero_grad_view(p: torch.Tensor, scratch: dict[tuple, torch.Tensor]) -> torch.Tensor:
+    """A zero gradient for ``p`` (a DTensor for a DTensor) on the shared scratch buffer."""
+    local = p.to_local() if isinstance(p, DTensor) else p
+    grad = scratch[local.dtype, local.device][:local.numel()].view(local.shape)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return grad
 
 
 def _failure_causes(error: BaseException) -> list[tuple[int | None, BaseException]]:
