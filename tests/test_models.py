@@ -455,3 +455,32 @@ def test_flops_match_flop_counter(ndim, size):
         assert abs(estimate - measured) / measured < 0.05, (type(model).__name__, estimate, measured)
     # (channels, *spatial) is accepted too.
     assert training_flops_per_sample(seg, (1, *size)) == training_flops_per_sample(seg, size)
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_rope_apply_matches_the_rotate_half_formula_and_its_gradient(per_sample):
+    """rope_apply's one-node rotation equals x * cos + [-x_b, x_a] * sin (forward and
+    gradient, float64 gradcheck), also on a strided view of a qkv tensor, and with learned
+    (gradient-carrying) tables."""
+    torch.manual_seed(0)
+    table = (2, 7, 16) if per_sample else (7, 16)
+    sin, cos = (torch.randn(*table, dtype=torch.float64) for _ in range(2))
+
+    def textbook(x, sin, cos):
+        if sin.dim() == 3:
+            sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)
+        x_a, x_b = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x_b, x_a], dim=-1) * sin
+
+    qkv = torch.randn(2, 7, 3, 3, 16, dtype=torch.float64, requires_grad=True)
+    q = qkv.unbind(2)[0].transpose(1, 2)  # (B, heads, N, hd), not contiguous
+    grad = torch.randn(2, 3, 7, 16, dtype=torch.float64)
+    ours = rope_apply(q, sin, cos)
+    torch.testing.assert_close(ours, textbook(q, sin, cos))
+    g_ours, = torch.autograd.grad(ours, qkv, grad)
+    g_ref, = torch.autograd.grad(textbook(q, sin, cos), qkv, grad)
+    torch.testing.assert_close(g_ours, g_ref)
+    x = torch.randn(2, 3, 7, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: rope_apply(x, sin, cos), (x,))
+    learned = [t.clone().requires_grad_() for t in (sin, cos)]
+    assert torch.autograd.gradcheck(rope_apply, (x, *learned))

@@ -54,15 +54,47 @@ def rope_apply(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
     ``sin``/``cos`` are (N, head_dim), shared by all samples, or (B, N, head_dim), one set of
     positions per sample (used when each sample keeps a different subset of patches).
 
-    The "rotate half" form ``x * cos + [-x_b, x_a] * sin`` (``x = [x_a, x_b]`` split on the
-    last dimension), computed as ``x * cos + roll(x) * [-sin_a, sin_b]``: the sign moves onto
-    the small table, and the large tensor sees three ops (mul, roll, addcmul) instead of five.
+    "Rotate half" convention: with ``x = [x_a, x_b]`` split on the last dimension,
+    ``y_a = x_a cos_a - x_b sin_a`` and ``y_b = x_b cos_b + x_a sin_b``. Computed by
+    :class:`_RopeRotation` in three passes over ``x`` forward and three backward (autograd of
+    the textbook form takes five and seven); it is 5-8% of a ViT-B training step on a CPU.
     """
     if sin.dim() == 3:  # per-sample positions: broadcast over heads
         sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)
+    if sin.requires_grad or cos.requires_grad:  # learned angles: let autograd differentiate
+        return _rotate(x, sin, cos, transpose=False, inplace=False)
+    return _RopeRotation.apply(x, sin, cos)
+
+
+def _rotate(x: Tensor, sin: Tensor, cos: Tensor, transpose: bool, inplace: bool = True) -> Tensor:
+    """The rotation (or, ``transpose=True``, its transpose, which is its inverse) of ``x``.
+    ``inplace`` updates the fresh ``x * cos`` in place, half by half."""
     half = x.shape[-1] // 2
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin)
+    x_a, x_b = x[..., :half], x[..., half:]
+    sin_a, sin_b = sin[..., :half], sin[..., half:]
+    if transpose:  # y_a = x_a cos_a + x_b sin_b, y_b = x_b cos_b - x_a sin_a
+        sin_a, sin_b = -sin_b, -sin_a
+    y = x * cos
+    if not inplace:
+        return y + torch.cat([-x_b * sin_a, x_a * sin_b], dim=-1)
+    y[..., :half].addcmul_(x_b, sin_a, value=-1)
+    y[..., half:].addcmul_(x_a, sin_b)
+    return y
+
+
+class _RopeRotation(torch.autograd.Function):
+    """RoPE as one autograd node: the backward applies the transposed rotation to the
+    gradient, so nothing but the (small) sin/cos tables is saved."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
+        ctx.save_for_backward(sin, cos)
+        return _rotate(x, sin, cos, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        sin, cos = ctx.saved_tensors
+        return _rotate(grad, sin, cos, transpose=True), None, None
 
 
 class RopePositionEmbedding(nn.Module):
