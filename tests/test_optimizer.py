@@ -94,3 +94,12 @@ def test_every_implementation_takes_the_same_steps(impl):
             opt.zero_grad()
         finals[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
     torch.testing.assert_close(finals[impl], finals["for-loop"], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_falls_back_to_foreach_where_torch_has_no_fused_kernel(caplog):
+    model = _model().to("meta")  # a device without fused Adam kernels
+    with caplog.at_level("WARNING"):
+        opt = build_optimizer(model, _cfg())
+    group = opt.param_groups[0]
+    assert not group["fused"] and group["foreach"]
+    assert "no fused AdamW kernel" in caplog.text

@@ -63,9 +63,25 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
         logger.info("optimizer: parameters are of mixed kinds (tensor parallelism); "
                     "optimizer.implementation %r falls back to 'for-loop'", implementation)
         implementation = "for-loop"
+    if implementation == "fused" and not _fused_kernels_for(p for _, p in named):
+        logger.warning("optimizer: torch has no fused %s kernel for parameters on %s; "
+                       "optimizer.implementation 'fused' falls back to 'foreach'", o.name,
+                       sorted({p.device.type for _, p in named}))
+        implementation = "foreach"
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
             "for-loop": {"foreach": False}}[implementation]
     return cls(ordered, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **impl)
+
+
+def _fused_kernels_for(params) -> bool:
+    """Whether torch's fused Adam kernels take all of ``params`` (it checks only at the
+    first step)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch that moved it: let torch decide at the first step
+        return True
+    devices = set(_get_fused_kernels_supported_devices())
+    return all(p.device.type in devices and p.is_floating_point() for p in params)
 
 
 def _placement_kind(p: torch.Tensor) -> tuple:
