@@ -352,6 +352,16 @@ def _mean(values) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def scores_by_class(crops: list[dict]) -> dict[str, list[dict]]:
+    """The per-class score entries of many crops (``[{"classes": {name: scores}}]``), grouped
+    by class name, in crop order."""
+    by_class: dict[str, list[dict]] = {}
+    for crop in crops:
+        for name, scores in crop["classes"].items():
+            by_class.setdefault(name, []).append(scores)
+    return by_class
+
+
 def combine_scores(crops: list[dict]) -> dict:
     """Per-class and overall scores over several ``score_crop`` results.
 
@@ -361,12 +371,8 @@ def combine_scores(crops: list[dict]) -> dict:
     classes) and ``score`` = sqrt(mean_semantic_iou * mean_instance_score), or whichever of
     the two exists when a set of classes is empty (None when nothing was scored).
     """
-    by_class: dict[str, list[dict]] = {}
-    for crop in crops:
-        for name, scores in crop["classes"].items():
-            by_class.setdefault(name, []).append(scores)
     classes = {}
-    for name, entries in by_class.items():
+    for name, entries in scores_by_class(crops).items():
         tp, fp, fn = (sum(e[k] for e in entries) for k in ("tp", "fp", "fn"))
         iou, dice = _iou_dice(tp, fp, fn)
         kind = "instance" if any(e["type"] == "instance" for e in entries) else "semantic"

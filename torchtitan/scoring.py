@@ -79,6 +79,7 @@ from torchtitan.evaluation import (
     label_instances,
     match_instances,
     normalize_distance,
+    scores_by_class,
 )
 from torchtitan.evaluation import _pair_hausdorff as pair_hausdorff  # noqa: PLC2701
 
@@ -335,12 +336,8 @@ def _weighted(entries, key) -> float | None:
 def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VERSION) -> dict:
     """Per-class and overall scores over ``score_label`` results (``[{"classes": {...}}]``),
     by the rules of ``version`` (module docstring)."""
-    by_class: dict[str, list[dict]] = {}
-    for crop in crops:
-        for name, s in crop["classes"].items():
-            by_class.setdefault(name, []).append(s)
     classes = {}
-    for name, entries in by_class.items():
+    for name, entries in scores_by_class(crops).items():
         kind = entries[0]["type"]
         out = {"type": kind, "crops": len(entries)}
         if version == "2025":
