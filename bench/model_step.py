@@ -36,8 +36,9 @@ of every block, attention over all tokens).
 GEMMs alone: the matmuls of one step of each model (every linear layer's forward,
 input-gradient and weight-gradient GEMM at the shapes its forward sees, the patch
 convolution's, and attention's six batched matmuls per block), timed back to back on their
-own right after each of the model's timed steps (median). The "ceiling" line divides the peer's median step by our model's GEMMs-alone time: the
-largest ratio any step of ours doing the same matmuls in the same dtype could reach.
+own right after each of the model's timed steps (median). The "ceiling" line divides the
+peer's median step by our model's GEMMs-alone time: the largest ratio any step of ours doing
+the same matmuls in the same dtype could reach.
 """
 
 from __future__ import annotations
@@ -80,8 +81,6 @@ class Entry:
     params_note: str = ""
     times: list[float] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
-    heads: int = 0
-    head_dim: int = 0
     gemms: StepGemms | None = None
     gemm_times: list[float] = field(default_factory=list)
 
@@ -193,33 +192,31 @@ def build_2d(s: dict) -> tuple[list[Entry], tuple[int, ...]]:
     return entries, (s["batch"], *shape)
 
 
-def step_gemms(e: Entry, x: torch.Tensor) -> list[tuple[int, ...]]:
+def step_gemms(e: Entry, x: torch.Tensor, heads: int, head_dim: int) -> list[tuple[int, ...]]:
     """The matmuls of one training step of ``e``, as (batch, m, k, n) shapes: found by
     running its forward once with hooks on every linear layer and the patch convolution
     (forward, input-gradient and weight-gradient GEMMs), plus the six batched matmuls per
     block of attention (forward scores and output; backward dP, dV, dQ, dK)."""
     shapes: list[tuple[int, ...]] = []
 
+    def add_layer(m: int, k: int, n: int, input_grad: bool) -> None:
+        shapes.append((1, m, k, n))              # forward
+        if input_grad:
+            shapes.append((1, m, n, k))          # gradient of the input
+        shapes.append((1, n, m, k))              # gradient of the weight
+
     def on_linear(mod, inputs, out):
         a = inputs[0]
-        m, k, n = a.numel() // mod.in_features, mod.in_features, mod.out_features
-        shapes.append((1, m, k, n))                      # forward
-        if a.requires_grad:
-            shapes.append((1, m, n, k))                  # grad of the input
-        shapes.append((1, n, m, k))                      # grad of the weight
+        add_layer(a.numel() // mod.in_features, mod.in_features, mod.out_features,
+                  a.requires_grad)
 
     def on_patch_conv(mod, inputs, out):  # a convolution whose kernel equals its stride
         w = mod.weight
-        m, k, n = out.numel() // w.shape[0], w[0].numel(), w.shape[0]
-        shapes.append((1, m, k, n))
-        if inputs[0].requires_grad:
-            shapes.append((1, m, n, k))
-        shapes.append((1, n, m, k))
+        add_layer(out.numel() // w.shape[0], w[0].numel(), w.shape[0], inputs[0].requires_grad)
 
     def on_attention(mod, inputs, out):
         b, t, _ = inputs[0].shape
-        bh, hd = b * e.heads, e.head_dim
-        shapes.extend([(bh, t, hd, t), (bh, t, t, hd)] * 3)
+        shapes.extend([(b * heads, t, head_dim, t), (b * heads, t, t, head_dim)] * 3)
 
     hooks = [m.register_forward_hook(on_linear) for m in e.model.modules()
              if isinstance(m, nn.Linear)]
@@ -288,9 +285,8 @@ def run_case(case: str, mode: str, args) -> None:
     torch.manual_seed(1)
     x = torch.randn(*shape)
     for e in entries:
-        e.heads, e.head_dim = s["heads"], s["dim"] // s["heads"]
         e.model.train()
-        e.gemms = StepGemms(step_gemms(e, x))
+        e.gemms = StepGemms(step_gemms(e, x, s["heads"], s["dim"] // s["heads"]))
     for e in entries:
         if mode == "compiled":
             compile_blocks(e.blocks)
@@ -334,9 +330,10 @@ def run_case(case: str, mode: str, args) -> None:
               f"{e.flops_per_sample / 1e9:.2f} | {achieved / 1e9:.1f} | {achieved / gemm:.0%} | "
               f"{statistics.median(e.gemm_times):.3f} |")
     ours = entries[0]
-    print(f"\nceiling: {peer.name}'s median step / our model's GEMMs alone = "
-          f"{med_peer / statistics.median(ours.gemm_times):.2f}x; no {mode} step of ours that does these GEMMs in "
-          f"float32 can beat {peer.name} by more (everything else at zero cost)")
+    ceiling = med_peer / statistics.median(ours.gemm_times)
+    print(f"\nceiling: {peer.name}'s median step / our model's GEMMs alone = {ceiling:.2f}x; "
+          f"no {mode} step of ours that does these GEMMs in float32 can beat {peer.name} by "
+          "more (everything else at zero cost)")
     print(f"\nparameters: ours / {peer.name} = {n_params(ours.model) / n_params(peer.model):.4f}; "
           f"ours has {ours.params_note}; {peer.name} has {peer.params_note}")
     if len(entries) > 2:

@@ -462,13 +462,13 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         return
     groups = optimizer.param_groups
     saved = [(g["params"], g["lr"]) for g in groups]
-    scratch: dict[tuple, torch.Tensor] = {}
+    largest: dict[tuple, int] = {}  # (dtype, device) -> the most elements of a local parameter
     for params, _ in saved:
         for p in params:
             local = p.to_local() if isinstance(p, DTensor) else p
             key = (local.dtype, local.device)
-            if key not in scratch or scratch[key].numel() < local.numel():
-                scratch[key] = torch.zeros(local.numel(), dtype=local.dtype, device=local.device)
+            largest[key] = max(largest.get(key, 0), local.numel())
+    scratch = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in largest.items()}
     try:
         for g in groups:
             g["params"] = []
