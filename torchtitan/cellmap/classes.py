@@ -109,10 +109,12 @@ CLASS_PARTS: dict[str, tuple[str, ...]] = {
     name: tuple(_NAME_OF_ID[i] for i in parts) for _, name, _, parts in _TABLE if parts
 }
 
-# The challenge's instance classes (scored per object); others are scored semantically. The
-# challenge also lists ``vim``, which it does not score.
+# The challenge's instance classes, as its evaluation code lists them (``INSTANCE_CLASSES`` of
+# cellmap-segmentation-challenge): scored per object; every other class is scored semantically.
+# This tuple is the one owner of that fact (scoring, validation, submissions and post-processing
+# import it).
 INSTANCE_CLASSES: tuple[str, ...] = (
-    "nuc", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell",
+    "nuc", "vim", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell",
 )
 
 
@@ -125,6 +127,14 @@ def is_instance_class(name: str) -> bool:
     return name in INSTANCE_CLASSES
 
 
+def class_name_hint(name: str, extra=()) -> str:
+    """``"; did you mean 'mito'?"`` for the known name closest to ``name`` (a CellMap class
+    or one of ``extra``), ``"."`` when none is close."""
+    known = list(CELLMAP_CLASSES) + [e for e in extra if e not in CLASS_IDS]
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else "."
+
+
 def check_class_names(classes, extra=()) -> None:
     """Raise a DatasetError naming the first class that is neither a CellMap class nor in
     ``extra`` (e.g. the names the crops on disk annotate), with the closest known name."""
@@ -132,8 +142,7 @@ def check_class_names(classes, extra=()) -> None:
     for name in classes:
         if name in CLASS_IDS or name in extra:
             continue
-        match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"; did you mean {match[0]!r}?" if match else "."
+        hint = class_name_hint(name, extra)
         raise DatasetError(
             f"data.classes: unknown class {name!r}: not a CellMap class and annotated by no "
             f"crop{hint} Known classes: {', '.join(known)}"

@@ -81,13 +81,15 @@ def holds_instance_ids(raw: np.ndarray, encoding: LabelEncoding = DEFAULT_ENCODI
 
 
 def annotation_attrs(class_name: str, s0: np.ndarray,
-                     encoding: LabelEncoding = DEFAULT_ENCODING) -> dict:
-    """The ``cellmap`` attribute of a semantic label group, as the challenge writes it
-    (the complement counts are taken from level ``s0``)."""
+                     encoding: LabelEncoding = DEFAULT_ENCODING, instances: bool = False) -> dict:
+    """The ``cellmap`` attribute of a label group, as the challenge writes it: semantic (0/1
+    values), or ``instances`` (object ids); the complement counts are taken from level
+    ``s0``."""
+    kind = "instance_segmentation" if instances else "semantic_segmentation"
     return {
         "cellmap": {
             "annotation": {
-                "annotation_type": {"encoding": encoding.as_dict(), "type": "semantic_segmentation"},
+                "annotation_type": {"encoding": encoding.as_dict(), "type": kind},
                 "class_name": class_name,
                 "complement_counts": {
                     "absent": int(np.count_nonzero(s0 == encoding.absent)),

@@ -5,8 +5,11 @@ Reading accepts OME-NGFF 0.4 (``.zattrs`` of zarr format 2) and 0.5 (under ``ome
 CellMap challenge data: demo data and prediction output are both written by
 :func:`create_multiscale_group`, so they carry the same metadata.
 
-A 2x pyramid follows the voxel-centre convention of :mod:`.grids`: level k has
-``scale_k = scale_0 * 2**k`` and ``translation_k = translation_0 + (scale_k - scale_0) / 2``.
+A pyramid follows the voxel-centre convention of :mod:`.grids`: level k, downsampled by the
+factor ``f_k`` per axis from level 0, has ``scale_k = scale_0 * f_k`` and ``translation_k =
+translation_0 + (scale_k - scale_0) / 2``. By default ``f_k = 2**k`` on every axis (a 2x
+pyramid); anisotropic volumes (thin sections: 50 x 4 x 4 nm) halve only their finer axes until
+they approach the coarsest (:func:`pyramid_steps`).
 """
 
 from __future__ import annotations
@@ -149,15 +152,50 @@ def stored_intensity_range(group_path: str | os.PathLike,
 # ---------------------------------------------------------------------------------------------
 
 
-def multiscales_attrs(name: str, scale0, translation0, n_levels: int) -> list[dict]:
-    """OME-NGFF 0.4 ``multiscales`` metadata of a 2x pyramid ``s0 .. s{n_levels-1}``.
+def level_factors(n_levels: int, steps=None) -> list[tuple[int, int, int]]:
+    """Per level, its downsampling factor from level 0 on each axis (z, y, x): the product of
+    the ``steps`` (per level after the first, the factor from the level before; default 2 on
+    every axis)."""
+    if steps is None:
+        steps = [(2, 2, 2)] * (n_levels - 1)
+    if len(steps) != n_levels - 1:
+        raise ValueError(f"{n_levels} levels need {n_levels - 1} steps, got {len(steps)}")
+    factors = [(1, 1, 1)]
+    for step in steps:
+        factors.append(tuple(int(f) * int(s) for f, s in zip(factors[-1], step)))
+    return factors
+
+
+def pyramid_steps(scale0, shape0, coarsest_side: int = 64, max_levels: int = 10) -> list[tuple[int, int, int]]:
+    """Steps of a pyramid for a volume of ``shape0`` voxels of ``scale0`` nm, one per level
+    after the first, until the largest side is at most ``coarsest_side`` voxels.
+
+    Each step halves the axes whose voxels are at most half as large as the coarsest axis's
+    (an anisotropic stack of 50 x 4.6 x 4.6 nm halves y and x to 9.2, 18.4 and 36.8 nm), and
+    every axis once they are all within 2x (isotropic volumes: a plain 2x pyramid). An axis
+    already down to one voxel is not halved.
+    """
+    scale, shape = [float(s) for s in scale0], [int(n) for n in shape0]
+    steps: list[tuple[int, int, int]] = []
+    while max(shape) > coarsest_side and len(steps) + 1 < max_levels:
+        fine = [2 * s <= max(scale) * (1 + 1e-6) for s in scale]
+        step = tuple(2 if (fine[d] or not any(fine)) and shape[d] > 1 else 1 for d in range(3))
+        steps.append(step)
+        scale = [s * f for s, f in zip(scale, step)]
+        shape = [-(-n // f) for n, f in zip(shape, step)]
+    return steps
+
+
+def multiscales_attrs(name: str, scale0, translation0, n_levels: int, steps=None) -> list[dict]:
+    """OME-NGFF 0.4 ``multiscales`` metadata of a pyramid ``s0 .. s{n_levels-1}``: 2x per
+    level on every axis, or the per-axis ``steps`` (see :func:`level_factors`).
 
     Translations follow the voxel-centre convention: level k's voxel 0 is centred at
     ``translation0 + (scale_k - scale0) / 2``.
     """
     datasets = []
-    for k in range(n_levels):
-        scale = [float(s) * 2**k for s in scale0]
+    for k, factor in enumerate(level_factors(n_levels, steps)):
+        scale = [float(s) * f for s, f in zip(scale0, factor)]
         translation = [float(t) + (s - float(s0)) / 2 for t, s, s0 in zip(translation0, scale, scale0)]
         datasets.append(
             {
@@ -173,12 +211,13 @@ def multiscales_attrs(name: str, scale0, translation0, n_levels: int) -> list[di
 
 
 def create_multiscale_group(parent, path: str, scale0, translation0, n_levels: int = 1,
-                            extra_attrs: dict | None = None):
-    """The zarr group ``parent/path`` with OME-NGFF 0.4 ``multiscales`` metadata of a 2x
-    pyramid of ``n_levels`` levels (plus ``extra_attrs``); its arrays ``s0 ..`` are the
-    caller's to write. An existing group keeps its arrays and gets the new metadata."""
+                            extra_attrs: dict | None = None, steps=None):
+    """The zarr group ``parent/path`` with OME-NGFF 0.4 ``multiscales`` metadata of a pyramid
+    of ``n_levels`` levels (2x, or the per-axis ``steps``; plus ``extra_attrs``); its arrays
+    ``s0 ..`` are the caller's to write. An existing group keeps its arrays and gets the new
+    metadata."""
     head, _, name = path.rpartition("/")
-    attrs = {"multiscales": multiscales_attrs(name, scale0, translation0, n_levels)}
+    attrs = {"multiscales": multiscales_attrs(name, scale0, translation0, n_levels, steps)}
     attrs.update(extra_attrs or {})
     # Parents are made with require_group so that every level of the hierarchy is a real
     # zarr v2 group (with its own .zgroup), as readers of the challenge data expect.
@@ -191,10 +230,12 @@ def create_multiscale_group(parent, path: str, scale0, translation0, n_levels: i
 
 def write_multiscale_array_group(parent, path: str, levels: list[np.ndarray], scale0, translation0,
                                  chunks=(64, 64, 64), extra_attrs: dict | None = None,
-                                 fill_value: int = 0):
-    """Write ``levels`` (each a 2x downsampling of the previous one) as arrays ``s0, s1, ...``
-    of the group ``parent/path``, with its OME-NGFF metadata (:func:`create_multiscale_group`)."""
-    group = create_multiscale_group(parent, path, scale0, translation0, len(levels), extra_attrs)
+                                 fill_value: int = 0, steps=None):
+    """Write ``levels`` (each a 2x downsampling of the previous one, or by the per-axis
+    ``steps``) as arrays ``s0, s1, ...`` of the group ``parent/path``, with its OME-NGFF
+    metadata (:func:`create_multiscale_group`)."""
+    group = create_multiscale_group(parent, path, scale0, translation0, len(levels), extra_attrs,
+                                    steps)
     for k, data in enumerate(levels):
         level_chunks = tuple(min(c, n) for c, n in zip(chunks, data.shape))
         group.create_array(f"s{k}", data=data, chunks=level_chunks, fill_value=fill_value)
@@ -209,12 +250,14 @@ def write_multiscale_array_group(parent, path: str, levels: list[np.ndarray], sc
 VIEW_CHUNKS = (64, 64, 64)
 
 
-def pyramid_shapes(shape0, n_levels: int) -> list[tuple[int, ...]]:
-    """Shapes of a 2x pyramid: level k has ``ceil(shape_{k-1} / 2)`` voxels per axis, so an
-    odd side keeps its last voxel (its block is completed by repeating the edge)."""
+def pyramid_shapes(shape0, n_levels: int, steps=None) -> list[tuple[int, ...]]:
+    """Shapes of a pyramid (2x, or the per-axis ``steps``): level k has ``ceil(shape_{k-1} /
+    step)`` voxels per axis, so an odd side keeps its last voxel (its block is completed by
+    repeating the edge)."""
+    steps = steps if steps is not None else [(2, 2, 2)] * (n_levels - 1)
     shapes = [tuple(int(s) for s in shape0)]
-    for _ in range(1, n_levels):
-        shapes.append(tuple(-(-s // 2) for s in shapes[-1]))
+    for step in steps[: n_levels - 1]:
+        shapes.append(tuple(-(-s // f) for s, f in zip(shapes[-1], step)))
     return shapes
 
 
@@ -227,29 +270,31 @@ def auto_pyramid_levels(shape0, minimum: int = 3, coarsest_side: int = 64) -> in
     return max(minimum, n)
 
 
-def _pad_even(block: np.ndarray) -> np.ndarray:
-    """Repeat the last plane of every odd-sized axis, so 2x2x2 blocks tile the array."""
-    pad = [(0, s % 2) for s in block.shape]
-    return np.pad(block, pad, mode="edge") if any(p for _, p in pad) else block
+def _blocks(block: np.ndarray, step) -> np.ndarray:
+    """``block`` as (nz, fz, ny, fy, nx, fx) blocks of ``step`` voxels per axis, the last
+    plane of an axis not a multiple of its step repeated to complete its block."""
+    pad = [(0, -n % f) for n, f in zip(block.shape, step)]
+    b = np.pad(block, pad, mode="edge") if any(p for _, p in pad) else block
+    (nz, ny, nx), (fz, fy, fx) = (n // f for n, f in zip(b.shape, step)), step
+    return b.reshape(nz, fz, ny, fy, nx, fx)
 
 
-def downsample_mean(block: np.ndarray) -> np.ndarray:
-    """2x mean downsampling (probabilities, intensities); float output for float input,
-    rounded for integers."""
-    b = _pad_even(block)
-    nz, ny, nx = (s // 2 for s in b.shape)
-    mean = b.reshape(nz, 2, ny, 2, nx, 2).mean(axis=(1, 3, 5), dtype=np.float64)
+def downsample_mean(block: np.ndarray, step=(2, 2, 2)) -> np.ndarray:
+    """Mean downsampling by ``step`` voxels per axis (2x by default; probabilities,
+    intensities); float output for float input, rounded for integers."""
+    mean = _blocks(block, step).mean(axis=(1, 3, 5), dtype=np.float64)
     if np.issubdtype(block.dtype, np.integer):
         return np.rint(mean).astype(block.dtype)
     return mean.astype(block.dtype)
 
 
-def downsample_mode(block: np.ndarray) -> np.ndarray:
-    """2x mode downsampling (masks, label and instance ids): the most frequent value of each
-    2x2x2 block, ties to the smaller value (so a half-filled block of a 0/1 mask is 0)."""
-    b = _pad_even(block)
-    nz, ny, nx = (s // 2 for s in b.shape)
-    cells = b.reshape(nz, 2, ny, 2, nx, 2).transpose(0, 2, 4, 1, 3, 5).reshape(-1, 8)
+def downsample_mode(block: np.ndarray, step=(2, 2, 2)) -> np.ndarray:
+    """Mode downsampling by ``step`` voxels per axis (2x by default; masks, label and
+    instance ids): the most frequent value of each block, ties to the smaller value (so a
+    half-filled block of a 0/1 mask is 0)."""
+    b = _blocks(block, step)
+    nz, _, ny, _, nx, _ = b.shape
+    cells = b.transpose(0, 2, 4, 1, 3, 5).reshape(nz * ny * nx, -1)
     out = cells[:, 0].copy()
     mixed = np.flatnonzero((cells != out[:, None]).any(axis=1))
     if mixed.size:
@@ -264,10 +309,11 @@ DOWNSAMPLERS = {"mean": downsample_mean, "mode": downsample_mode}
 
 
 def write_pyramid(group, n_levels: int, method: str, chunks=VIEW_CHUNKS,
-                  max_block_voxels: int = 2**24) -> None:
+                  max_block_voxels: int = 2**24, steps=None) -> None:
     """Add levels ``s1 .. s{n_levels-1}`` to a multiscale group whose ``s0`` is written, each
-    the 2x ``method`` ("mean" or "mode") downsampling of the level before, and rewrite the
-    group's ``multiscales`` for every level (the other attributes are kept).
+    the ``method`` ("mean" or "mode") downsampling of the level before, 2x or by the per-axis
+    ``steps`` (:func:`pyramid_steps`), and rewrite the group's ``multiscales`` for every level
+    (the other attributes are kept).
 
     Works block by block (blocks of whole chunks of the coarser level, at most
     ``max_block_voxels`` of it), so levels of volumes larger than memory are made too.
@@ -275,14 +321,15 @@ def write_pyramid(group, n_levels: int, method: str, chunks=VIEW_CHUNKS,
     if method not in DOWNSAMPLERS:
         raise ValueError(f"pyramid method {method!r}: expected one of {sorted(DOWNSAMPLERS)}")
     down = DOWNSAMPLERS[method]
+    steps = list(steps) if steps is not None else [(2, 2, 2)] * (n_levels - 1)
     ms = dict(group.attrs)["multiscales"][0]
     first = ms["datasets"][0]["coordinateTransformations"]
     scale0 = next(t["scale"] for t in first if t["type"] == "scale")
     translation0 = next(t["translation"] for t in first if t["type"] == "translation")
     source = group["s0"]
-    shapes = pyramid_shapes(source.shape, n_levels)
+    shapes = pyramid_shapes(source.shape, n_levels, steps)
     for k in range(1, n_levels):
-        shape = shapes[k]
+        shape, step = shapes[k], steps[k - 1]
         level_chunks = tuple(min(c, s) for c, s in zip(chunks, shape))
         target = group.create_array(f"s{k}", shape=shape, chunks=level_chunks, dtype=source.dtype,
                                     fill_value=0, overwrite=True)
@@ -295,7 +342,8 @@ def write_pyramid(group, n_levels: int, method: str, chunks=VIEW_CHUNKS,
                 for x in range(0, shape[2], block[2]):
                     lo = (z, y, x)
                     hi = tuple(min(a + b, s) for a, b, s in zip(lo, block, shape))
-                    src = source[tuple(slice(2 * a, 2 * b) for a, b in zip(lo, hi))]
-                    target[tuple(slice(a, b) for a, b in zip(lo, hi))] = down(np.asarray(src))
+                    src = source[tuple(slice(f * a, f * b) for a, b, f in zip(lo, hi, step))]
+                    target[tuple(slice(a, b) for a, b in zip(lo, hi))] = down(np.asarray(src), step)
         source = target
-    group.attrs["multiscales"] = multiscales_attrs(ms.get("name", ""), scale0, translation0, n_levels)
+    group.attrs["multiscales"] = multiscales_attrs(ms.get("name", ""), scale0, translation0,
+                                                   n_levels, steps)

@@ -1,0 +1,576 @@
+"""Image stacks (a folder of 2D TIFF or PNG sections, or one multi-page TIFF) as CellMap stores.
+
+Most EM starts as a folder of 2D images, one per section, with a matching folder of label
+images whose pixel values stand for classes (191 = mitochondrion, 0-128 = membrane, ...).
+:func:`import_stack` turns such a stack into an ordinary dataset of the CellMap layout
+(``datasets/cellmap.py``), so training, validation, ``predict.py`` and scoring read it like any
+other:
+
+    <out>/<name>/<name>.zarr/recon-1/em/fibsem-uint8/s0, s1, ...       (uint16 EM: fibsem-uint16)
+    <out>/<name>/<name>.zarr/recon-1/labels/groundtruth/crop<N>/<class>/s0
+
+* **Sections** are the images of a folder (``.tif``, ``.tiff``, ``.png``) or of a glob, in
+  natural order (``2.tif`` before ``10.tif``), or the pages of one multi-page TIFF. They must
+  all have one size and one type: 8-bit (``L``) or 16-bit (``I;16``) greyscale.
+* **EM** becomes an OME-NGFF multiscale pyramid of the given voxel size (z, y, x nm; voxel 0
+  centred at the origin). Anisotropic stacks (thin sections) are halved in plane only until
+  their pixels approach the section thickness (``ome_ngff.pyramid_steps``). uint16 EM is stored
+  with its intensity range (OME-NGFF ``omero`` window), which the loader maps onto 0..255.
+* **Labels** (one image per EM section) become label crops, each a range of whole sections
+  (``crop1`` = sections 0-15, ``crop2`` = 16-19; by default one crop of every section). A
+  value map says which label values make up each class; every class becomes one group per
+  crop: 0 absent, 1 present, and the unknown value where the map's ``unknown`` values are.
+  Instance classes of the challenge (``mito``, ``nuc``, ...) store object ids instead of 1:
+  connected components in 3D, or per section (``instances="2d"``). Every label value found
+  must belong to a class, to ``background`` (absent for every class) or to ``unknown``.
+* A stack without labels becomes EM only (for MAE pretraining and prediction).
+
+Everything is checked before anything is written; the store is written beside its final
+place and renamed into it at the end, so a failed import leaves no half-written dataset.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import re
+import shutil
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from torchtitan.cellmap.classes import CLASS_IDS, class_name_hint, is_instance_class
+from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.labels import ABSENT, PRESENT, UNKNOWN, LabelEncoding, annotation_attrs
+from torchtitan.cellmap.ome_ngff import (
+    create_multiscale_group,
+    pyramid_steps,
+    write_multiscale_array_group,
+    write_pyramid,
+)
+from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+
+IMAGE_SUFFIXES = (".tif", ".tiff", ".png")
+INSTANCE_MODES = ("3d", "2d", "none")
+# Pillow image modes -> the dtype of their pixels ("I" holds 16-bit PNGs of some writers).
+_MODES = {"L": np.uint8, "P": np.uint8, "1": np.uint8, "I;16": np.uint16, "I;16L": np.uint16,
+          "I;16B": np.uint16, "I;16N": np.uint16, "I": np.uint16}
+# About 128 KiB of uint8 per chunk: 64^3 for isotropic voxels, 8 x 128 x 128 for 50 x 4.6 x 4.6 nm.
+CHUNK_VOXELS = 2**17
+
+
+class ImageStackError(DatasetError):
+    """An image stack, value map or import option that cannot be imported as given."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+def natural_key(path: Path) -> list:
+    """Sort key that orders numbers by value: ``s2.tif`` before ``s10.tif``."""
+    return [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", path.name)]
+
+
+def list_images(source: str | Path, what: str) -> list[Path]:
+    """The image files of ``source`` (a folder, a glob pattern or one file) in natural order."""
+    text = str(source)
+    path = Path(text)
+    if path.is_dir():
+        files = [p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        if not files:
+            raise ImageStackError(
+                f"{what} {text}: the folder holds no {'/'.join(IMAGE_SUFFIXES)} images; point "
+                f"{what} at the folder of section images, a glob ('sections/*.tif') or one "
+                "multi-page TIFF")
+    elif path.is_file():
+        files = [path]
+    elif glob.has_magic(text):
+        files = [Path(p) for p in glob.glob(text) if Path(p).is_file()]
+        if not files:
+            raise ImageStackError(f"{what} {text}: the pattern matches no file")
+    else:
+        raise ImageStackError(f"{what} {text}: no such file or folder")
+    return sorted(files, key=natural_key)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One 2D section: a file, and the page of a multi-page TIFF."""
+
+    file: Path
+    page: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.file} (page {self.page})" if self.page else str(self.file)
+
+
+@dataclass
+class ImageStack:
+    """The sections of a stack, all of one size and pixel type (checked from the headers)."""
+
+    what: str  # the option that named it, for messages: "--em", "--labels"
+    sections: list[Section]
+    shape: tuple[int, int]  # (y, x) pixels
+    dtype: np.dtype
+
+    def __len__(self) -> int:
+        return len(self.sections)
+
+    def read(self, index: int) -> np.ndarray:
+        """Section ``index`` as a 2D array of the stack's dtype."""
+        from PIL import Image
+
+        section = self.sections[index]
+        with Image.open(section.file) as image:
+            image.seek(section.page)
+            data = np.asarray(image)
+            mode = image.mode
+        if mode == "I":  # 32-bit integers holding 16-bit pixels
+            if data.size and (data.min() < 0 or data.max() > 65535):
+                raise ImageStackError(
+                    f"{self.what}: {section} holds 32-bit values outside 0..65535 (min "
+                    f"{data.min()}, max {data.max()}); save the sections as 8- or 16-bit "
+                    "greyscale images")
+        return data.astype(self.dtype, copy=False)
+
+    def read_range(self, start: int, stop: int) -> np.ndarray:
+        """Sections ``start .. stop - 1`` as one (z, y, x) array."""
+        out = np.empty((stop - start, *self.shape), self.dtype)
+        for i in range(start, stop):
+            out[i - start] = self.read(i)
+        return out
+
+
+def _mode_problem(mode: str, what: str) -> str:
+    if mode in ("RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "LA", "PA"):
+        if what == "--em":
+            return (f"colour image (mode {mode}); EM must be greyscale: convert the sections, "
+                    "e.g. with Pillow: Image.open(f).convert('L').save(f)")
+        return (f"colour image (mode {mode}); label images must hold one value per pixel "
+                "(8- or 16-bit greyscale or a palette image): save each label as a single "
+                "channel of label values")
+    return (f"unsupported image mode {mode}; use 8-bit (L) or 16-bit (I;16) greyscale images")
+
+
+def open_stack(source: str | Path, what: str) -> ImageStack:
+    """Scan the sections of ``source`` (see :func:`list_images`; a multi-page TIFF gives one
+    section per page) and check from their headers that they share one size and pixel type."""
+    from PIL import Image, UnidentifiedImageError
+
+    sections: list[Section] = []
+    first: tuple[Section, tuple[int, int], str] | None = None
+    for file in list_images(source, what):
+        try:
+            with Image.open(file) as image:
+                pages = getattr(image, "n_frames", 1)
+                for page in range(pages):
+                    image.seek(page)
+                    section = Section(file, page)
+                    mode, shape = image.mode, (image.height, image.width)
+                    if mode not in _MODES or (what == "--em" and mode in ("P", "1")):
+                        problem = (_mode_problem(mode, what) if mode not in ("P", "1") else
+                                   f"{'palette' if mode == 'P' else 'bilevel'} image (mode {mode}); "
+                                   "EM must be greyscale: convert it, e.g. with Pillow: "
+                                   "Image.open(f).convert('L').save(f)")
+                        raise ImageStackError(f"{what}: {section}: {problem}")
+                    if first is None:
+                        first = (section, shape, mode)
+                    elif shape != first[1]:
+                        raise ImageStackError(
+                            f"{what}: {section} is {shape[1]} x {shape[0]} pixels (x, y) but "
+                            f"{first[0]} is {first[1][1]} x {first[1][0]}; every section of a stack "
+                            "must have the same size: crop or pad them to one size")
+                    elif _MODES[mode] != _MODES[first[2]]:
+                        raise ImageStackError(
+                            f"{what}: {section} is {np.dtype(_MODES[mode]).name} (mode {mode}) but "
+                            f"{first[0]} is {np.dtype(_MODES[first[2]]).name} (mode {first[2]}); "
+                            "every section of a stack must have one pixel type: save them all "
+                            "as 8-bit or all as 16-bit")
+                    sections.append(section)
+        except (UnidentifiedImageError, OSError) as e:
+            raise ImageStackError(f"{what}: cannot read {file} as an image: {e}") from e
+    assert first is not None
+    return ImageStack(what, sections, first[1], np.dtype(_MODES[first[2]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Value maps and crops
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Values:
+    """A set of label values given as numbers and inclusive ranges: ``0,32,64-128``."""
+
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    def __str__(self) -> str:
+        return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def table(self, size: int) -> np.ndarray:
+        """Boolean lookup table over the values ``0 .. size - 1``."""
+        lut = np.zeros(size, bool)
+        for a, b in self.ranges:
+            lut[a: b + 1] = True
+        return lut
+
+
+def parse_values(spec, what: str) -> Values:
+    """Label values from ``"0,32,64-128"``, an int, or a list of ints and such strings."""
+    items = spec if isinstance(spec, list) else [spec]
+    ranges = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise ImageStackError(f"{what}: {item!r} is not a label value; give integers and "
+                                  "ranges such as 0,32,64-128")
+        if isinstance(item, int):
+            parts = [str(item)]
+        else:
+            parts = [p.strip() for p in item.split(",") if p.strip()]
+        for part in parts:
+            m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+            if not m:
+                raise ImageStackError(f"{what}: {part!r} is not a label value or range; give "
+                                      "integers and ranges such as 0,32,64-128")
+            a, b = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+            if b < a:
+                raise ImageStackError(f"{what}: range {part!r} ends before it starts")
+            ranges.append((a, b))
+    if not ranges:
+        raise ImageStackError(f"{what}: no label values given; e.g. 191 or 0,32,64-128")
+    return Values(tuple(ranges))
+
+
+@dataclass
+class ValueMap:
+    """Which label values make up each class, which are background, which unknown."""
+
+    classes: dict[str, Values] = field(default_factory=dict)
+    background: Values = Values()
+    unknown: Values = Values()
+
+
+def parse_class(spec: str) -> tuple[str, Values]:
+    """``--class NAME=VALUES`` -> (name, values)."""
+    name, sep, values = spec.partition("=")
+    if not sep or not name.strip():
+        raise ImageStackError(f"--class {spec!r}: expected NAME=VALUES, e.g. mito=191 or "
+                              "pm=0,32,64-128")
+    return name.strip(), parse_values(values, f"--class {name.strip()}")
+
+
+def read_value_map(path: str | Path) -> ValueMap:
+    """A value map TOML: ``background``, ``unknown`` and a ``[classes]`` table of
+    ``name = values`` (an int, a list, or a string such as ``"0,32,64-128"``)."""
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ImageStackError(f"--value_map {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ImageStackError(f"--value_map {path}: not valid TOML: {e}") from None
+    unknown_keys = sorted(set(doc) - {"classes", "background", "unknown"})
+    if unknown_keys:
+        raise ImageStackError(f"--value_map {path}: unknown key(s) {unknown_keys}; expected "
+                              "'background', 'unknown' and a [classes] table")
+    classes = doc.get("classes", {})
+    if not isinstance(classes, dict):
+        raise ImageStackError(f"--value_map {path}: 'classes' must be a table of name = values")
+    vm = ValueMap({name: parse_values(v, f"--value_map {path}: classes.{name}")
+                   for name, v in classes.items()})
+    if "background" in doc:
+        vm.background = parse_values(doc["background"], f"--value_map {path}: background")
+    if "unknown" in doc:
+        vm.unknown = parse_values(doc["unknown"], f"--value_map {path}: unknown")
+    return vm
+
+
+def parse_crop(spec: str) -> tuple[str, int, int]:
+    """``--crop crop1=0-15`` -> ("crop1", 0, 15), sections inclusive (``crop3=7``: one)."""
+    m = re.fullmatch(r"\s*(crop\d+)\s*=\s*(\d+)(?:\s*-\s*(\d+))?\s*", spec)
+    if not m:
+        raise ImageStackError(f"--crop {spec!r}: expected crop<N>=FIRST-LAST (sections, from 0), "
+                              "e.g. crop1=0-15")
+    a, b = int(m.group(2)), int(m.group(3) if m.group(3) is not None else m.group(2))
+    if b < a:
+        raise ImageStackError(f"--crop {spec!r}: the last section comes before the first")
+    return m.group(1), a, b
+
+
+def check_crops(crops: list[tuple[str, int, int]], n_sections: int) -> None:
+    """Crops must lie inside the stack, have distinct names and not overlap."""
+    names = [c[0] for c in crops]
+    for name in names:
+        if names.count(name) > 1:
+            raise ImageStackError(f"--crop {name} is given twice; give each crop once")
+    for name, a, b in crops:
+        if b >= n_sections:
+            raise ImageStackError(
+                f"--crop {name}={a}-{b}: the stack has sections 0-{n_sections - 1} only; "
+                "crops are ranges of section indices counted from 0")
+    ordered = sorted(crops, key=lambda c: c[1])
+    for (n1, a1, b1), (n2, a2, b2) in zip(ordered, ordered[1:]):
+        if a2 <= b1:
+            raise ImageStackError(
+                f"--crop {n1}={a1}-{b1} and --crop {n2}={a2}-{b2} overlap (sections "
+                f"{a2}-{min(b1, b2)}); every section belongs to one crop at most")
+
+
+def _check_value_map(vm: ValueMap, dtype: np.dtype) -> None:
+    if not vm.classes:
+        raise ImageStackError(
+            "labels given without a value map: say which label values make up each class with "
+            "--class NAME=VALUES (e.g. --class mito=191) or --value_map FILE.toml")
+    for name in vm.classes:
+        if name not in CLASS_IDS:
+            raise ImageStackError(
+                f"--class {name}: not a CellMap class{class_name_hint(name)} Use a name of the "
+                "class table (torchtitan/cellmap/classes.py), e.g. mito, pm, ecs, nuc, er")
+    top = int(np.iinfo(dtype).max)
+    named = {f"--class {n}": v for n, v in vm.classes.items()}
+    named.update({"--background": vm.background, "--unknown": vm.unknown})
+    for what, values in named.items():
+        for a, b in values.ranges:
+            if b > top:
+                raise ImageStackError(
+                    f"{what}: value {b} is outside the range of the {dtype.name} label images "
+                    f"(0-{top})")
+    tables = {what: values.table(top + 1) for what, values in named.items()}
+    pairs = [(f"--class {n}", other) for n in vm.classes for other in ("--background", "--unknown")]
+    for what, other in pairs + [("--background", "--unknown")]:
+        both = np.flatnonzero(tables[what] & tables[other])
+        if both.size:
+            raise ImageStackError(
+                f"label value {both[0]} is in both {what} and {other}; a value is background, "
+                "unknown, or part of classes (one value may belong to several classes)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def stack_chunks(scale, shape, voxels: int = CHUNK_VOXELS) -> tuple[int, int, int]:
+    """Chunk sides that make a cube in nm (power-of-two sides inversely proportional to the
+    voxel size), about ``voxels`` voxels in all, at most ``shape``."""
+    inv = [min(scale) / float(s) for s in scale]
+    side = (voxels / math.prod(inv)) ** (1 / 3)
+    return tuple(max(1, min(int(n), 2 ** round(math.log2(max(side * i, 1.0)))))
+                 for i, n in zip(inv, shape))
+
+
+def _write_em(store, stack: ImageStack, scale, log) -> dict:
+    shape = (len(stack), *stack.shape)
+    steps = pyramid_steps(scale, shape)
+    chunks = stack_chunks(scale, shape)
+    path = EM_GROUP if stack.dtype == np.uint8 else EM_GROUP_UINT16
+    group = create_multiscale_group(store, path, scale, (0.0, 0.0, 0.0), 1)
+    s0 = group.create_array("s0", shape=shape, chunks=chunks, dtype=stack.dtype, fill_value=0)
+    lo, hi = np.inf, -np.inf
+    for z in range(0, shape[0], chunks[0]):
+        slab = stack.read_range(z, min(z + chunks[0], shape[0]))
+        s0[z: z + len(slab)] = slab
+        lo, hi = min(lo, int(slab.min())), max(hi, int(slab.max()))
+    write_pyramid(group, len(steps) + 1, "mean", chunks=chunks, steps=steps)
+    if stack.dtype != np.uint8 and lo < hi:
+        # The loader maps this window onto 0..255 (OME-NGFF omero, as CellMap stores uint16 EM).
+        group.attrs["omero"] = {"channels": [{"window": {"start": lo, "end": hi,
+                                                           "min": lo, "max": hi}}]}
+    log(f"EM: {shape[0]} sections of {shape[1]} x {shape[2]} {stack.dtype.name} -> {path}, "
+        f"{len(steps) + 1} levels, chunks {chunks}")
+    return {"group": path, "shape": list(shape), "levels": len(steps) + 1, "dtype": stack.dtype.name}
+
+
+def _instance_ids(mask: np.ndarray, mode: str) -> tuple[np.ndarray, int]:
+    """Object ids of a boolean (z, y, x) mask: connected components in 3D or per section."""
+    from scipy import ndimage
+
+    if mode == "3d":
+        ids, n = ndimage.label(mask)
+        return ids, int(n)
+    ids = np.zeros(mask.shape, np.int64)
+    n = 0
+    for z in range(mask.shape[0]):
+        plane, k = ndimage.label(mask[z])
+        ids[z] = np.where(plane > 0, plane + n, 0)
+        n += int(k)
+    return ids, n
+
+
+def _class_array(labels: np.ndarray, lut: np.ndarray, unknown: np.ndarray, instances: str,
+                 name: str) -> tuple[np.ndarray, LabelEncoding, int | None]:
+    """One class group's values for a crop's labels: 0/1 (and 255 unknown), or object ids
+    with the unknown value at the top of the dtype."""
+    present = lut[labels]
+    if is_instance_class(name) and instances != "none":
+        ids, n = _instance_ids(present, instances)
+        dtype = np.uint16 if n < np.iinfo(np.uint16).max else np.uint32
+        enc = LabelEncoding(ABSENT, PRESENT, int(np.iinfo(dtype).max))
+        out = ids.astype(dtype)
+        out[unknown] = enc.unknown
+        return out, enc, n
+    out = present.astype(np.uint8)
+    out[unknown] = UNKNOWN
+    return out, LabelEncoding(), None
+
+
+def _unclaimed_values(labels: ImageStack, crops, claimed: np.ndarray) -> dict[int, list[int]]:
+    """Label values no class, background or unknown claims -> the sections holding them."""
+    found: dict[int, list[int]] = {}
+    size = claimed.size
+    for _, a, b in crops:
+        for z in range(a, b + 1):
+            counts = np.bincount(labels.read(z).ravel(), minlength=size)
+            for v in np.flatnonzero((counts > 0) & ~claimed):
+                found.setdefault(int(v), []).append(z)
+    return found
+
+
+def _sections_text(sections: list[int]) -> str:
+    runs, start = [], sections[0]
+    for prev, cur in zip(sections, sections[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(runs)
+
+
+def _write_crop(store, labels: ImageStack, name: str, a: int, b: int, scale, vm: ValueMap,
+                instances: str, log) -> dict:
+    data = labels.read_range(a, b + 1)
+    size = int(np.iinfo(labels.dtype).max) + 1
+    unknown = vm.unknown.table(size)[data] if vm.unknown else np.zeros(data.shape, bool)
+    translation = (a * float(scale[0]), 0.0, 0.0)
+    chunks = stack_chunks(scale, data.shape)
+    crop = store.require_group(f"{GT_GROUP}/{name}")
+    summary = {"sections": [a, b], "shape": list(data.shape), "classes": {}}
+    for cls, values in vm.classes.items():
+        arr, enc, n = _class_array(data, values.table(size), unknown, instances, cls)
+        write_multiscale_array_group(crop, cls, [arr], scale, translation, chunks=chunks,
+                                     extra_attrs=annotation_attrs(cls, arr, enc, n is not None))
+        target = (arr != enc.absent) & (arr != enc.unknown)
+        valid = np.count_nonzero(arr != enc.unknown)
+        info = {"fraction": float(np.count_nonzero(target) / max(valid, 1))}
+        if n is not None:
+            info["instances"] = n
+        summary["classes"][cls] = info
+    fractions = ", ".join(f"{c} {i['fraction']:.3f}" + (f" ({i['instances']} objects)"
+                                                        if "instances" in i else "")
+                          for c, i in summary["classes"].items())
+    log(f"{name}: sections {a}-{b} ({data.shape[0]} x {data.shape[1]} x {data.shape[2]}): {fractions}")
+    return summary
+
+
+DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def default_name(em: str | Path) -> str:
+    """The dataset name a stack gets by default: its folder's name (a file's: its stem)."""
+    path = Path(str(em))
+    if glob.has_magic(str(em)):
+        path = Path(str(em)).parent
+        while glob.has_magic(str(path)):
+            path = path.parent
+        return path.resolve().name
+    return path.resolve().name if path.is_dir() else path.stem
+
+
+def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path | None = None,
+                 name: str | None = None, crops: list[str] | None = None,
+                 value_map: ValueMap | None = None, instances: str = "3d",
+                 overwrite: bool = False, log: Callable[[str], None] | None = None) -> dict:
+    """Write the stack ``em`` (and its ``labels``) as ``out/<name>/<name>.zarr`` (see the
+    module docstring) and return a summary: the store, its EM levels and, per crop, the
+    fraction of annotated voxels each class covers (and its object count).
+
+    ``crops``: ``"crop1=0-15"`` strings (default: ``crop1`` over every section);
+    ``value_map``: the classes' label values, the background and unknown values;
+    ``instances``: ``"3d"`` (connected components across sections), ``"2d"`` (per section) or
+    ``"none"`` (instance classes stored as 0/1 masks).
+    """
+    log = log or (lambda _msg: None)
+    name = name or default_name(em)
+    if not DATASET_NAME.fullmatch(name):
+        raise ImageStackError(f"--name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
+    voxel_size = tuple(float(v) for v in voxel_size)
+    if len(voxel_size) != 3 or min(voxel_size) <= 0:
+        raise ImageStackError(f"--voxel_size {list(voxel_size)}: expected 3 sizes in nm (z, y, x), "
+                              "each > 0, e.g. 50,4.6,4.6")
+    if instances not in INSTANCE_MODES:
+        raise ImageStackError(f"--instances {instances!r}: expected one of {INSTANCE_MODES}")
+    out = Path(out)
+    final = out / name
+    if final.exists() and not overwrite:
+        raise ImageStackError(f"{final} exists already; choose another --name or --out, or pass "
+                              "--overwrite to replace it")
+    value_map = value_map or ValueMap()
+    if labels is None and (value_map.classes or value_map.background or value_map.unknown or crops):
+        raise ImageStackError("a value map (--class, --value_map, --background, --unknown) and "
+                              "--crop need label images: give them with --labels")
+
+    em_stack = open_stack(em, "--em")
+    label_stack = None
+    crop_list: list[tuple[str, int, int]] = []
+    if labels is not None:
+        label_stack = open_stack(labels, "--labels")
+        if len(label_stack) != len(em_stack):
+            raise ImageStackError(
+                f"--labels has {len(label_stack)} images but --em has {len(em_stack)} sections "
+                f"(first label {label_stack.sections[0]}, first EM {em_stack.sections[0]}); give "
+                "one label image per EM section, in the same order")
+        if label_stack.shape != em_stack.shape:
+            raise ImageStackError(
+                f"--labels: {label_stack.sections[0]} is {label_stack.shape[1]} x "
+                f"{label_stack.shape[0]} pixels (x, y) but the EM sections "
+                f"({em_stack.sections[0]}) are {em_stack.shape[1]} x {em_stack.shape[0]}; labels "
+                "must cover the EM pixel for pixel")
+        crop_list = [parse_crop(c) for c in crops] if crops else [("crop1", 0, len(em_stack) - 1)]
+        check_crops(crop_list, len(em_stack))
+        _check_value_map(value_map, label_stack.dtype)
+        size = int(np.iinfo(label_stack.dtype).max) + 1
+        claimed = value_map.background.table(size) | value_map.unknown.table(size)
+        for values in value_map.classes.values():
+            claimed |= values.table(size)
+        unclaimed = _unclaimed_values(label_stack, crop_list, claimed)
+        if unclaimed:
+            listing = "; ".join(f"value {v} in sections {_sections_text(s)}"
+                                for v, s in sorted(unclaimed.items()))
+            v = min(unclaimed)
+            raise ImageStackError(
+                f"--labels: label values that no class claims: {listing}. Add each to a class "
+                f"(--class NAME={v}), to --background {v} (absent for every class) or to "
+                f"--unknown {v} (not annotated)")
+
+    import zarr
+
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f".{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    store_path = partial / f"{name}.zarr"
+    try:
+        store = zarr.open_group(str(store_path), mode="w", zarr_format=2)
+        summary = {"store": str(final / f"{name}.zarr"), "em": _write_em(store, em_stack, voxel_size, log),
+                   "crops": {}}
+        for crop_name, a, b in crop_list:
+            summary["crops"][crop_name] = _write_crop(store, label_stack, crop_name, a, b,
+                                                      voxel_size, value_map, instances, log)
+        if final.exists():
+            old = out / f".{name}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            partial.rename(final)
+            shutil.rmtree(old)
+        else:
+            partial.rename(final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log(f"wrote {summary['store']}")
+    return summary
