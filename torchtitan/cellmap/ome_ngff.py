@@ -173,13 +173,15 @@ def pyramid_steps(scale0, shape0, coarsest_side: int = 64, max_levels: int = 10)
     Each step halves the axes whose voxels are at most half as large as the coarsest axis's
     (an anisotropic stack of 50 x 4.6 x 4.6 nm halves y and x to 9.2, 18.4 and 36.8 nm), and
     every axis once they are all within 2x (isotropic volumes: a plain 2x pyramid). An axis
-    already down to one voxel is not halved.
+    down to one voxel is left as it is (and out of the comparison).
     """
     scale, shape = [float(s) for s in scale0], [int(n) for n in shape0]
     steps: list[tuple[int, int, int]] = []
     while max(shape) > coarsest_side and len(steps) + 1 < max_levels:
-        fine = [2 * s <= max(scale) * (1 + 1e-6) for s in scale]
-        step = tuple(2 if (fine[d] or not any(fine)) and shape[d] > 1 else 1 for d in range(3))
+        active = [n > 1 for n in shape]
+        coarsest = max(s for s, a in zip(scale, active) if a)
+        fine = [a and 2 * s <= coarsest * (1 + 1e-6) for s, a in zip(scale, active)]
+        step = tuple(2 if fine[d] or (active[d] and not any(fine)) else 1 for d in range(3))
         steps.append(step)
         scale = [s * f for s, f in zip(scale, step)]
         shape = [-(-n // f) for n, f in zip(shape, step)]

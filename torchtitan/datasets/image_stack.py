@@ -126,10 +126,14 @@ class ImageStack:
         from PIL import Image
 
         section = self.sections[index]
-        with Image.open(section.file) as image:
-            image.seek(section.page)
-            data = np.asarray(image)
-            mode = image.mode
+        try:
+            with Image.open(section.file) as image:
+                image.seek(section.page)
+                data = np.asarray(image)
+                mode = image.mode
+        except (OSError, ValueError) as e:  # truncated or corrupt pixel data
+            raise ImageStackError(f"{self.what}: cannot read the pixels of {section}: {e}; "
+                                  "re-export or replace that image") from e
         if mode == "I":  # 32-bit integers holding 16-bit pixels
             if data.size and (data.min() < 0 or data.max() > 65535):
                 raise ImageStackError(
