@@ -29,8 +29,13 @@ import argparse
 import sys
 
 from torchtitan.checkpoint import CheckpointError
+from torchtitan.config_manager import POSITIVE, flag_type
 from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.metrics import report_user_error, setup_logging
+
+# OME-NGFF levels s0.. of each output group: 0 = automatic; a pyramid halves each level, so
+# more levels than a 64-bit volume's sides can halve are a mistake.
+PYRAMID_LEVELS = (lambda v: 0 <= v <= 64, "must be 0 (automatic) or a number of levels in [1, 64]")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,23 +54,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="predict regions again that --out already holds finished (default: "
                         "refuse; unfinished regions of an interrupted run are redone anyway)")
     p.add_argument("--probabilities", action="store_true", help="write float32 probabilities")
-    p.add_argument("--threshold", type=float, default=None,
+    p.add_argument("--threshold", type=flag_type("inference.threshold"), default=None,
                    help="mask threshold (default: the run's inference.threshold)")
     p.add_argument("--tta", action=argparse.BooleanOptionalAction, default=None,
                    help="average over the flips of each window (default: inference.tta_flips)")
-    p.add_argument("--planes", choices=("z", "zyx"), default=None,
+    p.add_argument("--planes", type=flag_type("inference.planes"), default=None,
                    help="2D models: 'z' (yx planes) or 'zyx' (yx, zx and zy planes averaged; "
                         "isotropic voxel size only) (default: inference.planes)")
     p.add_argument("--instances", action="store_true",
                    help="instance ids (connected components) for CellMap instance classes")
-    p.add_argument("--batch_size", type=int, default=0, help="windows per forward (default: config)")
+    p.add_argument("--batch_size", type=flag_type("inference.batch_size"), default=None,
+                   help="windows per forward (default: the run's inference.batch_size)")
     p.add_argument("--submission", metavar="SUB.zarr",
                    help="also write the challenge's submission layout of the predicted crops "
                         "(--manifest or --crops) here, zip it (SUB.zip) and check it")
-    p.add_argument("--pyramid_levels", type=int, default=0,
+    p.add_argument("--pyramid_levels", type=flag_type(type=int, check=PYRAMID_LEVELS), default=0,
                    help="levels s0.. of each output group (default 0: at least 3, until the "
                         "largest side is <= 64 voxels)")
-    p.add_argument("--max_block_mb", type=float, default=1024,
+    p.add_argument("--max_block_mb", type=flag_type(type=float, check=POSITIVE), default=1024,
                    help="memory for one output block's buffers, MiB (default 1024)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p.parse_args(argv)

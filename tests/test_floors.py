@@ -182,6 +182,7 @@ FLOORS = {
     f"{PACKAGE}.inference": 4,
     f"{PACKAGE}.convert": 4,  # .pth -> DCP seed checkpoints (beside checkpoint)
     f"{PACKAGE}.preemption": 5,
+    f"{PACKAGE}.run_lock": 5,  # one run per dump folder (beside preemption)
     f"{PACKAGE}.trainer": 5,
     f"{PACKAGE}.tasks": 5,
     f"{PACKAGE}.tools": 6,

@@ -50,10 +50,13 @@ from torchtitan.config_parsing import (
     UserError,
     config_to_dict,
     config_to_toml,
+    find_option,
+    flag_checker,
     opt,
     parse_layers,
     save_config,
 )
+from torchtitan.config_parsing import _Option
 from torchtitan.config_parsing import help_text as _help_text
 
 __all__ = [
@@ -67,6 +70,7 @@ __all__ = [
     "config_to_dict",
     "config_to_toml",
     "config_warnings",
+    "flag_type",
     "help_text",
     "launch_configs",
     "opt",
@@ -550,6 +554,24 @@ class ConfigManager:
                 logging.getLogger("torchtitan").warning(text)
         self.config = config
         return config
+
+
+def flag_type(key: str | None = None, *, type: type = int, min: int | float | None = None,
+              check: Rule | None = None, choices: tuple | None = None):
+    """An ``argparse`` ``type=`` for a command-line flag of an entry point other than training
+    (``predict.py``, the scoring command, ``pth_to_dcp.py``, ``helpers/``), so that its values
+    are checked by the config's own rules rather than a copy of them.
+
+    With ``key`` the flag is the twin of that config option (``--threshold`` of
+    ``inference.threshold``): it has the option's type, finiteness, choices and range, and a
+    bad value names the option. Without, the flag is checked by ``type`` (floats finite) and
+    the rules given (``min``, ``check`` such as :data:`POSITIVE`, ``choices``). A bad value is
+    one argparse ``error:`` line naming it, exit status 2.
+    """
+    if key is not None:
+        return flag_checker(find_option(JobConfig, key), twin=True)
+    option = _Option("flag", type, None, "", choices, min, check)
+    return flag_checker(option, twin=False)
 
 
 def help_text(config_cls: type = JobConfig) -> str:

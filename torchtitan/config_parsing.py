@@ -16,6 +16,7 @@ What stays here is small: one type check, one rule check, one error builder per 
 Floor 1: imports only the standard library and ``tomli_w``.
 """
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -326,8 +327,17 @@ def save_config(config: Any, path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _from_cli(option: _Option, text: str) -> Any:
-    """Parse a command-line word for ``option`` (lists are comma-separated) and check it."""
+class _WordProblem(Exception):
+    """A command-line word that is no valid value: (what to show of it, what was expected)."""
+
+    def __init__(self, shown: Any, expected: str):
+        super().__init__(expected)
+        self.shown, self.expected = shown, expected
+
+
+def _word_value(option: _Option, text: str) -> Any:
+    """A command-line word for ``option`` (lists are comma-separated), parsed and checked by
+    the option's type and rules; :class:`_WordProblem` when it is not valid."""
     def word(w: str, typ: type) -> Any:
         if typ is bool:
             return _BOOL_WORDS[w.strip().lower()]  # KeyError: not a bool
@@ -335,8 +345,8 @@ def _from_cli(option: _Option, text: str) -> Any:
 
     items = [] if text.strip() == "" else [i.strip() for i in text.split(",")]
     if option.element is not None and "" in items:
-        raise _bad_value(option, text, COMMAND_LINE,
-                         f"expected a comma-separated {option.type_name} without empty entries")
+        raise _WordProblem(text, f"expected a comma-separated {option.type_name} without empty "
+                                 "entries")
     try:
         if option.element is None:
             value = word(text, option.type)
@@ -346,8 +356,44 @@ def _from_cli(option: _Option, text: str) -> Any:
         expected = (f"expected a comma-separated {option.type_name}" if option.element else
                     f"expected {option.type_name}"
                     + (": true/false, 1/0 or yes/no" if option.type is bool else ""))
-        raise _bad_value(option, text, COMMAND_LINE, expected) from None
-    return _checked(option, value, COMMAND_LINE)
+        raise _WordProblem(text, expected) from None
+    if float in (option.type, option.element):
+        value = [float(v) for v in value] if option.element else float(value)
+    problem = _rule_problem(option, value)
+    if problem is not None:
+        raise _WordProblem(value, problem)
+    return value
+
+
+def _from_cli(option: _Option, text: str) -> Any:
+    """Parse a command-line word for ``option`` (lists are comma-separated) and check it."""
+    try:
+        return _word_value(option, text)
+    except _WordProblem as p:
+        raise _bad_value(option, p.shown, COMMAND_LINE, p.expected) from None
+
+
+def find_option(config_cls: type, key: str) -> _Option:
+    """The option ``'section.name'`` of ``config_cls``."""
+    section, _, name = key.partition(".")
+    return all_options(config_cls)[section][name]
+
+
+def flag_checker(option: _Option, twin: bool) -> Callable[[str], Any]:
+    """An ``argparse`` ``type=`` that parses and checks a flag's word as ``option`` does on the
+    config's command line (type, finiteness, choices, rules); a bad word becomes an argparse
+    error (one ``error:`` line, exit 2) naming the value, the rule and, for a flag that is a
+    config option's twin (``twin``), that option."""
+    def check(text: str) -> Any:
+        try:
+            return _word_value(option, text)
+        except _WordProblem as p:
+            same = f"; as the config's '{option.key}'" if twin else ""
+            shown = repr(p.shown) if isinstance(p.shown, str) else p.shown
+            raise argparse.ArgumentTypeError(f"{shown} ({p.expected}{same})") from None
+
+    check.__name__ = option.type_name
+    return check
 
 
 def _parse_overrides(args: list[str], options: Options) -> list[tuple[_Option, Any]]:

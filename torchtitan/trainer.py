@@ -68,6 +68,7 @@ from torchtitan.preemption import (
     requeue_marker,
     restarted_after_requeue,
 )
+from torchtitan.run_lock import DumpFolderLock
 from torchtitan.tasks.base import Task, ValidationContext
 
 logger = logging.getLogger("torchtitan")
@@ -557,9 +558,21 @@ def run(make_task, argv: list[str] | None = None) -> int:
         task = make_task(cfg)
         task.prepare()  # reads and checks the data; no process group yet
         trainer = Trainer(cfg, task)
+        # One run per dump folder: held from before anything is written there (every check
+        # above only reads) until the run ends.
+        lock = DumpFolderLock(cfg.job.dump_folder, rank, cfg.comm.init_timeout_seconds)
+        lock.acquire()
     except USER_ERRORS as e:
         report_user_error(e, rank)
         return USER_ERROR_EXIT
+    try:
+        return _train(cfg, task, trainer, rank)
+    finally:
+        lock.release()
+
+
+def _train(cfg: JobConfig, task: Task, trainer: Trainer, rank: int) -> int:
+    """:func:`run` once the checks have passed and the run holds its dump folder."""
     try:
         trainer.setup()
         if cfg.checkpoint.create_seed_checkpoint:

@@ -89,6 +89,7 @@ from torchtitan.inference import block_shape_for_budget, predict_blockwise, reso
 from torchtitan.models import predict_probabilities, resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.postprocess import PostProcessing, clean_mask, separate_instances
+from torchtitan.tools.submission import SUBMISSION_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -282,15 +283,103 @@ def manifest_regions(sources: list[EMSource], voxel_size, path: str) -> list[Reg
 
 
 COMPLETE_ATTR = "prediction_complete"
+# Set on the root and on every group predict.py creates (region and class groups) before
+# anything is written into them: predict.py writes only where it finds it (or, for stores of
+# earlier versions, the completion marker and the class groups' prediction attributes).
+OWNER_ATTR = "torchtitan_prediction"
+_CLASS_GROUP_ATTRS = ("multiscales", "voxel_size", "translation")  # what _write_group sets
+
+
+def _zarr_attrs(path: Path) -> dict | None:
+    """The attributes of the zarr group or array at ``path`` (format 2 or 3), or None when
+    ``path`` is no zarr node."""
+    try:
+        if (path / "zarr.json").is_file():
+            return json.loads((path / "zarr.json").read_text()).get("attributes", {}) or {}
+        if (path / ".zgroup").is_file() or (path / ".zarray").is_file():
+            attrs = path / ".zattrs"
+            return json.loads(attrs.read_text()) if attrs.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return None
+
+
+def _is_array(path: Path) -> bool:
+    if (path / ".zarray").is_file():
+        return True
+    try:
+        return json.loads((path / "zarr.json").read_text()).get("node_type") == "array"
+    except (OSError, ValueError):
+        return False
 
 
 def region_finished(out: str, name: str) -> bool:
     """Whether ``out/<name>`` holds a finished prediction (its completion marker is set)."""
-    attrs = Path(out) / name / ".zattrs"
-    try:
-        return bool(json.loads(attrs.read_text()).get(COMPLETE_ATTR))
-    except (OSError, ValueError, AttributeError):
-        return False
+    return bool((_zarr_attrs(Path(out) / name) or {}).get(COMPLETE_ATTR))
+
+
+def _inside_store(path: Path) -> Path | None:
+    """The zarr group or array that ``path`` would be written into, if any of its parents is
+    one."""
+    for parent in path.resolve().parents:
+        if _zarr_attrs(parent) is not None:
+            return parent
+    return None
+
+
+def _not_ours(path: Path, flag: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{flag} {path}: {why}; predict.py writes only into stores it created, and never into "
+        "another (not with --overwrite either): choose a new path")
+
+
+def check_output_store(out: str, regions: list[str], flag: str = "--out",
+                       owner: str = OWNER_ATTR) -> None:
+    """Refuse to write ``out`` unless it is new, an empty folder, or a store predict.py made:
+    an existing file, a path inside another zarr store (a dataset's ``em/`` or ``labels/``
+    groups), a folder or zarr store predict.py did not write, and, inside its own store, a
+    region or class group without the prediction attributes (or holding anything else) are
+    errors naming them. Read-only: checked on every rank before any work."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {out} is an existing file, not a zarr store; give a new path "
+                          f"(a folder, e.g. {path.with_suffix('.zarr')})")
+    store = _inside_store(path)
+    if store is not None:
+        inner = path.resolve().relative_to(store).parts
+        named = [p for p in (store.name, *inner) if p in ("em", "labels")]
+        what = f" (inside its {named[0]}/ group: a dataset's data)" if named else ""
+        raise _not_ours(path, flag, f"lies inside the zarr store {store}{what}")
+    if not path.exists() or not any(path.iterdir()):
+        return
+    attrs = _zarr_attrs(path)
+    if attrs is None:
+        raise _not_ours(path, flag, "is a folder that is not a zarr store and not empty")
+    children = [c for c in path.iterdir() if c.is_dir()]
+    legacy = owner == OWNER_ATTR and children and all(
+        COMPLETE_ATTR in (_zarr_attrs(c) or {}) for c in children)
+    if not attrs.get(owner) and not legacy:
+        raise _not_ours(path, flag, f"is a zarr store that predict.py did not write (no "
+                                    f"'{owner}' attribute)")
+    if owner != OWNER_ATTR:
+        return
+    for name in regions:
+        group = path / name
+        if not group.exists():
+            continue
+        g_attrs = _zarr_attrs(group)
+        if g_attrs is None or _is_array(group) or not (OWNER_ATTR in g_attrs
+                                                       or COMPLETE_ATTR in g_attrs):
+            raise _not_ours(group, flag, "was not written by predict.py (no prediction "
+                                         "attributes)")
+        for child in sorted(group.iterdir()):
+            if child.name.startswith(".") or child.name == "zarr.json":
+                continue
+            c_attrs = _zarr_attrs(child)
+            if c_attrs is None or _is_array(child) or not (
+                    OWNER_ATTR in c_attrs or all(k in c_attrs for k in _CLASS_GROUP_ATTRS)):
+                raise _not_ours(child, flag, "holds data predict.py did not write (no "
+                                             "prediction attributes)")
 
 
 def plan_regions(todo: list[Region], out: str, overwrite: bool) -> list[Region]:
@@ -330,7 +419,8 @@ def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
     """Create ``<region>/<class>`` with OME-NGFF metadata (plus the submission format's plain
     ``voxel_size`` and ``translation``) and an empty ``s0``."""
     translation = (region.origin + np.asarray(voxel_size) / 2).tolist()
-    submission = {"voxel_size": list(map(float, voxel_size)), "translation": translation}
+    submission = {"voxel_size": list(map(float, voxel_size)), "translation": translation,
+                  OWNER_ATTR: True}
     group = create_multiscale_group(root, f"{region.name}/{cls}", voxel_size, translation, 1,
                                     extra_attrs=submission)
     return group.create_array("s0", shape=region.shape, chunks=chunks, dtype=dtype,
@@ -379,10 +469,12 @@ def predict_regions(args) -> list[str]:
     if submission and not (args.manifest or args.crops):
         raise ConfigError("--submission writes test crops: give them with --manifest (the "
                           "challenge's test-crop manifest) or --crops")
-    if getattr(args, "pyramid_levels", 0) < 0:
-        raise ConfigError(f"--pyramid_levels {args.pyramid_levels}: expected 0 (automatic: at "
-                          "least 3) or a number of levels >= 1")
     requested = [r.name for r in todo]
+    check_output_store(args.out, requested)
+    if submission:
+        check_output_store(submission, [], "--submission", SUBMISSION_ATTR)
+        if Path(submission).resolve() == Path(args.out).resolve():
+            raise ConfigError(f"--submission {submission} is --out: give it a path of its own")
     todo = plan_regions(todo, args.out, getattr(args, "overwrite", False))
     if rank == 0:
         for region in todo:
@@ -422,7 +514,10 @@ def predict_regions(args) -> list[str]:
                     inf.blend, tta, planes, threshold)
     # Only rank 0 creates groups and metadata (ranks creating the same group at once race);
     # the others open the arrays after a barrier.
-    root = zarr.open_group(args.out, mode="a", zarr_format=2) if rank == 0 else None
+    root = None
+    if rank == 0:
+        root = zarr.open_group(args.out, mode="a", zarr_format=2)
+        root.attrs[OWNER_ATTR] = {"checkpoint": str(args.checkpoint)}
     written = []
     # Buffers per voxel of a block: the outputs, plus their running sum with three tilings.
     buffers = len(classes) * (2 if planes == "zyx" else 1)
@@ -441,6 +536,7 @@ def predict_regions(args) -> list[str]:
         dtype = "float32" if args.probabilities else "uint8"
         arrays = {}
         if rank == 0:
+            root.require_group(region.name).attrs.update({OWNER_ATTR: True, COMPLETE_ATTR: False})
             for cls in classes:
                 arrays[cls] = _write_group(root, region, cls, v, dtype, chunks)
         if world > 1:

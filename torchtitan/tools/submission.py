@@ -91,6 +91,9 @@ def crops_from_boxes(boxes, classes) -> dict[str, ChallengeCrop]:
 # ---------------------------------------------------------------------------------------------
 
 
+SUBMISSION_ATTR = "torchtitan_submission"  # on the root of every submission written here
+
+
 def write_submission(predictions, out, crops: dict[str, ChallengeCrop], zip_it: bool = True) -> list[str]:
     """Write the submission ``out`` (zarr format 2) from the prediction store
     ``predictions``: every class of every crop that the store predicts, resampled onto the
@@ -99,6 +102,7 @@ def write_submission(predictions, out, crops: dict[str, ChallengeCrop], zip_it: 
 
     pred_root = Path(predictions)
     root = zarr.open_group(str(out), mode="w", zarr_format=2)
+    root.attrs[SUBMISSION_ATTR] = True  # predict.py replaces only stores that carry it
     notes = []
     for name, crop in crops.items():
         group = root.require_group(name)
