@@ -313,6 +313,9 @@ class CheckpointManager:
         if "optimizer" not in exclude:
             _init_optimizer_state(self.optimizer)
         own = {k: v for k, v in self._state().items() if k not in exclude}
+        if "model" in own:
+            check_stored_shapes(path, {f"model.{k}": v for k, v in own["model"].items()},
+                                "the checkpoint")
         stored_layout = to_storage_layout(own)
         dcp.load(stored_layout, checkpoint_id=str(path))
         state = from_storage_layout(stored_layout, own)
@@ -551,15 +554,30 @@ def _unused_seed_keys(seed_keys: list[str], model_keys: list[str],
 def _check_seed_shapes(model: torch.nn.Module, path: Path, pairs: list[tuple[str, str]]) -> None:
     """A seed of another backbone size, dimension or channel count has the same key names as
     the model; compare shapes so that the error says so (and what the seed was made for)."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    wrong = []
+    wanted = {}
     for key, value in get_model_state_dict(model).items():
         for src, dst in pairs:
             if key.startswith(dst):
-                meta = stored.get(f"model.{src}{key[len(dst):]}")
-                if meta is not None and tuple(meta.size) != tuple(value.shape):
-                    wrong.append(f"{key} {tuple(meta.size)} in the seed, {tuple(value.shape)} in the model")
+                wanted[f"model.{src}{key[len(dst):]}"] = (key, value)
                 break
+    check_stored_shapes(path, wanted, "the seed checkpoint")
+
+
+def check_stored_shapes(path: Path, wanted: dict, what: str) -> None:
+    """Raise :class:`CheckpointError` when a tensor that ``path`` stores under a key of
+    ``wanted`` (checkpoint key -> (model key, tensor), or -> tensor) has another shape than the
+    model's: a checkpoint of another backbone size, dimension or channel count has the same
+    key names, and DCP would fail with a raw size mismatch."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wrong = []
+    for ckpt_key, entry in wanted.items():
+        key, value = entry if isinstance(entry, tuple) else (ckpt_key, entry)
+        meta = stored.get(ckpt_key)
+        size = getattr(meta, "size", None)
+        if size is not None and isinstance(value, torch.Tensor) \
+                and tuple(size) != tuple(value.shape):
+            wrong.append(f"{key} {tuple(size)} in the checkpoint, {tuple(value.shape)} in the "
+                         "model")
     if not wrong:
         return
     made_for = ""
@@ -570,7 +588,7 @@ def _check_seed_shapes(model: torch.nn.Module, path: Path, pairs: list[tuple[str
                     f"{r.get('ndim')} --model.in_chans {r.get('in_chans')} --model.patch_size "
                     f"{r.get('patch_size')}.")
     raise CheckpointError(
-        f"the seed checkpoint {path} does not fit this model: {len(wrong)} shape mismatches, e.g. "
+        f"{what} {path} does not fit this model: {len(wrong)} shape mismatches, e.g. "
         f"{'; '.join(wrong[:3])}.{made_for} Check model.backbone, model.ndim, model.in_chans "
         "and model.patch_size"
     )
@@ -638,6 +656,7 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike,
             f"{missing[:5]}; the checkpoint holds e.g. {sorted(stored)[:5]}. Check model.backbone "
             "and checkpoint.initial_load_prefix_map"
         )
+    check_stored_shapes(path, wanted, "the checkpoint")
     stored_layout = to_storage_layout(wanted)
     dcp.load(stored_layout, checkpoint_id=str(path))
     wanted = from_storage_layout(stored_layout, wanted)

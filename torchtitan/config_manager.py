@@ -116,7 +116,8 @@ class Training:
     batch_size: int = opt(
         8, "Global batch size, split evenly across the data-parallel ranks.", min=1
     )
-    seed: int = opt(0, "Random seed for model init, sampling and augmentation.")
+    seed: int = opt(0, "Random seed for model init, sampling and augmentation.",
+                    check=(lambda v: 0 <= v < 2**64, "must be in [0, 2^64 - 1] (torch's seeds)"))
     deterministic: bool = opt(
         False, "Use deterministic algorithms (slower; for bitwise-reproducible runs)."
     )

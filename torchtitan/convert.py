@@ -116,7 +116,10 @@ def load_pth_state_dict(path: str | os.PathLike, label: str = "--pth") -> dict[s
     try:
         sd = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # corrupt file, or a pickle that is not plain weights
-        raise ConversionError(f"{label} {str(path)!r} could not be read with torch.load: {e}") from e
+        reason = " ".join(str(e).split())
+        raise ConversionError(
+            f"{label} {str(path)!r} could not be read with torch.load ({reason}): the file is "
+            "truncated or not a PyTorch checkpoint; copy or export it again") from e
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
         keys = list(sd)[:5] if isinstance(sd, dict) else type(sd).__name__
         raise ConversionError(

@@ -133,15 +133,16 @@ def class_name_hint(name: str, extra=()) -> str:
     return f"; did you mean {match[0]!r}?" if match else "."
 
 
-def check_class_names(classes, extra=()) -> None:
+def check_class_names(classes, extra=(), label: str = "data.classes") -> None:
     """Raise a DatasetError naming the first class that is neither a CellMap class nor in
-    ``extra`` (e.g. the names the crops on disk annotate), with the closest known name."""
+    ``extra`` (e.g. the names the crops on disk annotate), with the closest known name;
+    ``label`` names where the classes came from (a config key or a command-line flag)."""
     known = list(CELLMAP_CLASSES) + [e for e in extra if e not in CLASS_IDS]
     for name in classes:
         if name in CLASS_IDS or name in extra:
             continue
         hint = class_name_hint(name, extra)
         raise DatasetError(
-            f"data.classes: unknown class {name!r}: not a CellMap class and annotated by no "
+            f"{label}: unknown class {name!r}: not a CellMap class and annotated by no "
             f"crop{hint} Known classes: {', '.join(known)}"
         )

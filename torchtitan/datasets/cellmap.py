@@ -387,7 +387,9 @@ def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.nd
 def read_nearest(level: ScaleLevel, origin, voxel_size, shape, fill) -> np.ndarray:
     """Sample ``level`` at the training grid by nearest neighbour (labels)."""
     pos = voxel_positions(level, origin, voxel_size, shape)
-    idx = [np.floor(p + 0.5).astype(np.int64) for p in pos]
+    # Indices outside the array read the fill value; clipped to one voxel beyond each side, so
+    # that a grid far larger than the array (e.g. a voxel size in um, not nm) reads no more.
+    idx = [np.clip(np.floor(p + 0.5).astype(np.int64), -1, n) for p, n in zip(pos, level.shape)]
     lo = [int(i.min()) for i in idx]
     hi = [int(i.max()) + 1 for i in idx]
     region = _read_region(level, lo, hi, fill)
@@ -416,6 +418,9 @@ def read_linear(level: ScaleLevel, origin, voxel_size, shape, fill=0) -> tuple[n
     i0 = [np.floor(p).astype(np.int64) for p in pos]
     w = [(p - i).astype(np.float32) for p, i in zip(pos, i0)]
     exact = [bool(np.all(wa == 0)) for wa in w]
+    # Both neighbours of a position outside the array read the fill value: clipped to two
+    # voxels beyond each side (see read_nearest).
+    i0 = [np.clip(i, -2, n) for i, n in zip(i0, level.shape)]
     lo = [int(i.min()) for i in i0]
     # An axis without interpolation needs no extra voxel (which could cost a whole chunk).
     hi = [int(i.max()) + (1 if e else 2) for i, e in zip(i0, exact)]

@@ -76,6 +76,7 @@ from torchtitan.cellmap.ome_ngff import (
 )
 from torchtitan.checkpoint import CheckpointError, complete_steps, load_model_weights
 from torchtitan.config_manager import ConfigError, ConfigManager
+from torchtitan.convert import load_pth_state_dict
 from torchtitan.datasets.cellmap import (
     DatasetError,
     EMSource,
@@ -128,7 +129,7 @@ def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
     if path.suffix == ".pth":
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} does not exist")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_pth_state_dict(path, "--checkpoint")  # a clear error for a corrupt file
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise CheckpointError(
