@@ -66,7 +66,7 @@ import numpy as np
 import scipy.ndimage as ndi
 
 from torchtitan.cellmap.challenge import ALL_LABELS_GROUP
-from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES
+from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES, check_class_names
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import ScaleLevel
 from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to_target
@@ -158,6 +158,26 @@ def prediction_level(node: Path) -> ScaleLevel:
         return read_multiscales(node)[0]
     except DatasetError as e:
         raise SubmissionError(f"{node}: a prediction group needs OME-NGFF multiscales metadata ({e})") from e
+
+
+def check_prediction_grid(pred: ScaleLevel, truth: ScaleLevel, warn) -> ScaleLevel:
+    """``pred`` when its grid can be the crop's: a voxel size 100x off the crop's is an error
+    (micrometres or voxels, not nm), a box covering less than half the crop a warning
+    (``translation`` in voxels, or another crop's)."""
+    ratio = max(max(p / t, t / p) for p, t in zip(pred.scale, truth.scale))
+    if ratio >= 100:
+        raise SubmissionError(
+            f"{pred.path}: voxel_size {list(pred.scale)} is {ratio:.0f}x off the crop's "
+            f"{list(truth.scale)} nm; voxel_size and translation must be in nm (z, y, x)")
+    overlap = np.clip(np.minimum(pred.box_max, truth.box_max)
+                      - np.maximum(pred.box_min, truth.box_min), 0, None)
+    covered = float(np.prod(overlap / (truth.box_max - truth.box_min)))
+    if covered < 0.5:
+        warn(f"{pred.path} covers {covered:.0%} of its crop (prediction "
+             f"{pred.box_min.tolist()}..{pred.box_max.tolist()} nm, crop "
+             f"{truth.box_min.tolist()}..{truth.box_max.tolist()} nm); the rest scores as "
+             "background: check its translation (nm, centre of voxel 0)")
+    return pred
 
 
 def resample_prediction(level, name: str, origin, voxel_size, shape) -> np.ndarray:
@@ -420,6 +440,8 @@ def score_submission(predictions, groundtruth, crops=None, classes=None, warn=No
                 f"(predicted: {predicted_crops or 'none'})"
             )
     wanted = set(classes) if classes else None
+    if classes:  # a misspelt class is an error, as in training, not "not annotated"
+        check_class_names(classes, {c for t in truth_crops.values() for c in t.classes}, "--classes")
 
     per_crop = {}
     for name in names:
@@ -436,7 +458,8 @@ def score_submission(predictions, groundtruth, crops=None, classes=None, warn=No
             node = root / name / cls
             pred = None
             if node.exists():
-                pred = resample_prediction(prediction_level(node), cls, level.box_min, level.scale, level.shape)
+                plevel = check_prediction_grid(prediction_level(node), level, warn)
+                pred = resample_prediction(plevel, cls, level.box_min, level.scale, level.shape)
             entry = score_label(pred, truth, valid, level.scale, cls, metric_version)
             entry["voxel_size"] = list(level.scale)
             result["classes"][cls] = entry
@@ -509,6 +532,10 @@ def main(argv=None, prog: str = "python -m torchtitan.evaluation") -> int:
                         help="the challenge's metric: 2025 (revised, default) or 2024 (original)")
     parser.add_argument("--out", default=None, help="write the scores as JSON here")
     args = parser.parse_args(argv)
+    if args.out and Path(args.out).is_dir():
+        print(f"error: --out {args.out} is a folder; give the path of the JSON file to write, "
+              f"e.g. {Path(args.out) / 'scores.json'}", file=sys.stderr)
+        return 2
 
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text else None  # noqa: E731
     try:
