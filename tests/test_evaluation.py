@@ -100,9 +100,11 @@ def test_split_instance():
     inst = instance_scores(pred, truth, VOXEL)
     assert (inst["n_true"], inst["n_pred"], inst["tp"], inst["fp"], inst["fn"]) == (1, 2, 1, 1, 0)
     assert inst["f1"] == pytest.approx(2 / 3)
-    # The matched part misses x 2..13 of the bar: its far end lies 12 voxels (48 nm) away.
-    assert inst["hausdorff_nm"] == [pytest.approx(48.0)]
-    nhd = (float(normalize_distance(48.0, VOXEL)) + cap_score(VOXEL, shape)) / 2
+    # The challenge's quirk: the unmatched part (x 2..12, the first component in raster order)
+    # keeps its number 1, the bar's id, so it counts with the match: the bar is 1 voxel
+    # (x 12 or 13, 4 nm) from that union. The matched part alone would be 12 voxels (48 nm) off.
+    assert inst["hausdorff_nm"] == [pytest.approx(4.0)]
+    nhd = (float(normalize_distance(4.0, VOXEL)) + cap_score(VOXEL, shape)) / 2
     assert inst["normalized_hausdorff"] == pytest.approx(nhd)
     assert inst["score"] == pytest.approx(math.sqrt(2 / 3 * nhd))
 
@@ -116,8 +118,9 @@ def test_merged_instances():
     inst = instance_scores(pred, truth, VOXEL)
     assert (inst["n_true"], inst["n_pred"], inst["tp"], inst["fp"], inst["fn"]) == (2, 1, 1, 0, 1)
     assert inst["f1"] == pytest.approx(2 / 3)
-    # The larger true object (x 14..30) is matched; the blob reaches 12 voxels beyond it.
-    assert inst["hausdorff_nm"] == [pytest.approx(48.0)]
+    # The larger true object (id 9, x 14..30) is matched; the blob reaches 12 voxels beyond it.
+    # One distance per true instance, in id order: id 7 is missed (the cap, 80 nm).
+    assert inst["hausdorff_nm"] == [80.0, pytest.approx(48.0)]
     # Instance ids are used as they are: the prediction given as ids of the two objects is perfect.
     assert instance_scores(truth.astype(np.int32) * 3, truth, VOXEL)["score"] == 1
 
@@ -174,20 +177,25 @@ def test_missing_prediction_counts_as_empty():
     assert crop["classes"]["ld"]["score"] == 0 and crop["classes"]["ld"]["instance_fn"] == 1
 
 
-def test_combine_pools_semantic_counts_and_averages_instance_scores():
+def test_combine_pools_semantic_counts_and_instance_counts_and_distances():
     t = np.zeros((1, 1, 4), bool)
     t[..., :2] = True
-    p1 = np.array([[[1, 0, 0, 0]]], bool)  # er: tp 1, fn 1; mito: split-free, 1 match
+    p1 = np.array([[[1, 0, 0, 0]]], bool)  # er: tp 1, fn 1; mito: the object found exactly
     p2 = np.zeros_like(t)  # er: fn 2; mito: missed
     crops = [score_crop({"er": p1, "mito": t}, {"er": t, "mito": t}, {}, (8, 8, 8)),
              score_crop({"er": p2, "mito": p2}, {"er": t, "mito": t}, {}, (8, 8, 8))]
     out = combine_scores(crops)
     assert out["classes"]["er"]["iou"] == pytest.approx(1 / 4)  # pooled: tp 1 / (1 + 3)
     assert out["classes"]["er"]["crops"] == 2
-    assert out["classes"]["mito"]["score"] == pytest.approx(0.5)  # mean of 1 and 0
+    # mito pooled over both crops: TP 1, FN 1 (F1 2/3); distances 0 and the cap of the second
+    # crop, half its shortest side: 8 nm / 2 = 4 nm, normalised by the voxel diagonal 8 sqrt 3.
+    mean = (1 + 1.01 ** (-4 / (8 * math.sqrt(3)))) / 2
+    mito = math.sqrt(2 / 3 * mean)
+    assert out["classes"]["mito"]["score"] == pytest.approx(mito, abs=1e-12)
+    assert out["classes"]["mito"]["f1"] == pytest.approx(2 / 3)
     assert out["overall"]["mean_semantic_iou"] == pytest.approx(1 / 4)
-    assert out["overall"]["mean_instance_score"] == pytest.approx(0.5)
-    assert out["overall"]["score"] == pytest.approx(math.sqrt(1 / 4 * 0.5))
+    assert out["overall"]["mean_instance_score"] == pytest.approx(mito, abs=1e-12)
+    assert out["overall"]["score"] == pytest.approx(math.sqrt(1 / 4 * mito), abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------

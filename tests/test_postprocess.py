@@ -263,7 +263,12 @@ def test_validation_reports_raw_and_post_processed_scores(trained_post):
     (val,) = [r for r in read_jsonl(trained_post / "logs" / "metrics.jsonl") if "val/mean_iou" in r]
     raw = {k.removeprefix("val/") for k in val if k.startswith("val/")} - {"time_s", "skipped_crops"}
     post = {k.removeprefix("val_post/") for k in val if k.startswith("val_post/")}
-    assert raw == post and {"mean_iou", "iou/mito", "f1/mito"} <= post
+    # hausdorff_nm/<class> (the mean distance of matched instances) exists only where some
+    # instance matched: the noisy raw masks of a 2-step model may have too many objects to
+    # be scored at all (the challenge's cut-off), the post-processed ones not.
+    distances = {k for k in raw | post if k.startswith("hausdorff_nm/")}
+    assert raw - distances == post - distances
+    assert {"mean_iou", "iou/mito", "f1/mito"} <= post
 
 
 def test_predict_writes_post_processed_masks_and_instances(trained_post, demo_data, tmp_path):

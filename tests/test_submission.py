@@ -324,8 +324,10 @@ def test_instance_2025_split_object_and_overall():
     combined = combine_challenge_scores([{"classes": {"mito": s}}], "2025")
     f1 = 2 / 3
     assert combined["classes"]["mito"]["score"] == pytest.approx(math.sqrt(f1 * np.mean(norm)))
-    # No semantic class scored: the challenge's overall is the geometric mean with 0.
-    assert combined["overall"]["score"] == 0.0
+    # No semantic class scored: that half is "not scored" and the overall score is the
+    # instance half (not its geometric mean with 0).
+    assert combined["overall"]["mean_semantic_iou"] is None
+    assert combined["overall"]["score"] == combined["classes"]["mito"]["score"]
     # 2024: accuracy over voxels (the unmatched half is wrong), mean distance over true instances.
     old = score_label(pred, truth, valid, v, "mito", "2024")
     assert old["accuracy"] == pytest.approx(1 - 32 / 512)
@@ -334,7 +336,8 @@ def test_instance_2025_split_object_and_overall():
 
 
 def test_instance_2025_nothing_anywhere_is_perfect_and_too_many_instances_is_skipped():
-    from torchtitan.scoring import combine_challenge_scores, ratio_cutoff_2025, score_label
+    from torchtitan.evaluation import ratio_cutoff as ratio_cutoff_2025
+    from torchtitan.scoring import combine_challenge_scores, score_label
 
     v = (4.0, 4.0, 4.0)
     empty = np.zeros((6, 6, 6), np.uint8)

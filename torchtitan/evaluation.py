@@ -10,35 +10,39 @@ prediction of an empty class is perfect, as in the CellMap challenge.
 (gathered from every rank), so they simply add. One function (``_iou_dice``) turns counts into
 IoU and Dice for both, and validation and the scoring command share all of it.
 
-Instance metrics (``INSTANCE_CLASSES``)
----------------------------------------
-1. Instances. A binary prediction (or ground truth) is split into connected components with
-   full connectivity (26-connected in 3D, 8 in 2D: voxels touching at a corner belong to one
-   object). An integer array with values other than 0/1 is taken as instance ids as it is.
-   Voxels outside the validity mask are set to background in both arrays first, so an
-   object predicted only where the truth is unknown is neither a false positive nor a hit.
+Instance metrics (``INSTANCE_CLASSES``): the CellMap challenge's 2025 definition
+------------------------------------------------------------------------------------
+Reproduces the challenge's own scoring code (``utils/eval_utils`` of
+janelia-cellmap/cellmap-segmentation-challenge), leaderboard quirks included.
+
+1. Instances. Voxels outside the validity mask are set to background in both arrays first.
+   The prediction is split into connected components with full connectivity (26-connected in
+   3D, 8 in 2D), each predicted id on its own, numbered 1..n in raster order of their first
+   voxel. True instances keep their stored ids (a true mask is split into components).
 2. Matching. A sparse contingency table of (true id, predicted id) voxel counts gives the IoU
-   of every overlapping pair. True and predicted instances are matched one-to-one so that the
-   total IoU is maximal (Hungarian algorithm, ``scipy.optimize.linear_sum_assignment``); only
-   pairs with IoU > 0 count as matches. The bipartite overlap graph falls apart into small
-   connected components (one true object and the few predictions touching it), and the
-   assignment is solved per component, which gives the same optimum as one assignment over
-   the whole matrix at a fraction of the cost.
+   of every overlapping pair. True and predicted instances are matched one-to-one with the
+   challenge's min-cost-flow objective (``match_instances``: maximal total IoU in the flow's
+   integer costs); only pairs with IoU > 0 can match. The overlap graph falls apart into small
+   connected components, and the assignment is solved per component.
 3. F1 = 2TP / (2TP + FP + FN), TP = matched pairs, FP = unmatched predictions, FN =
-   unmatched true instances; 1 when both are empty.
-4. Hausdorff distance (nm) of each matched pair: the symmetric maximum distance between the
-   two voxel sets (voxel centres, anisotropic voxel size), from exact Euclidean distance
-   transforms on the bounding box of the pair. Unmatched instances get the cap
-   ``min(voxel_size * shape) / 2`` (the CellMap maximum distance), and no matched pair counts
-   more than the cap. Each distance is normalised to ``1.01 ** (-hd / |voxel_size|)``
-   (1 for a perfect outline, decaying with the distance in units of the voxel diagonal).
-5. Instance score = sqrt(F1 * mean normalised Hausdorff over matched and unmatched instances).
+   unmatched true instances.
+4. Hausdorff distances (nm, exact, from Euclidean distance transforms, anisotropic voxels):
+   one per true instance and the cap ``min(voxel_size * shape) / 2`` for every unmatched
+   prediction. As in the challenge, a true instance's distance is taken to every predicted
+   voxel carrying its stored id after matched predictions took their true ids: an unmatched
+   component whose number equals a true id counts as part of that instance
+   (``truth_hausdorff``). No distance exceeds the cap; each is normalised to
+   ``1.01 ** (-d / |voxel_size|)``.
+5. A crop with more than ``10 + 50 exp(-n / 5)`` predicted instances per true instance (n:
+   the largest true id) is skipped: it adds nothing to its class.
 
 Overall
 -------
-``combine_scores`` pools semantic counts of every class over crops, averages instance scores
-over crops, and reports the mean semantic IoU (over non-instance classes), the mean instance
-score (over instance classes) and the challenge score, their geometric mean.
+``combine_scores`` pools over crops, per class: semantic voxel counts (IoU, Dice), instance
+counts (F1) and normalised distances (their mean); instance score = sqrt(F1 x mean). Overall:
+the plain mean of the semantic IoUs, the plain mean of the instance scores and their geometric
+mean (``overall_scores``). Validation logs exactly this (``val/score``), and the scoring command
+prints it for the 2025 metric.
 
 Scoring a submission
 --------------------
@@ -107,28 +111,53 @@ def semantic_crop_scores(pred, truth, valid=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _relabel_consecutive(ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """Map the positive ids of ``ids`` to 1..n (int32), everything else to 0."""
+def _relabel_consecutive(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Map the positive ids of ``ids`` to 1..n (int32) in increasing order, everything else
+    to 0. Returns the relabelled array and the ids it replaced (sorted: entry k-1 is the id
+    that became k)."""
     if ids.dtype.kind == "i" and ids.size and ids.min() < 0:
         ids = np.where(ids > 0, ids, 0)
     values = ids[ids > 0]  # the foreground only: usually a small part of the volume
     if values.size == 0:
-        return np.zeros(ids.shape, np.int32), 0
+        return np.zeros(ids.shape, np.int32), np.zeros(0, np.int64)
     top = int(values.max())
     if top < 2**26:
         # Which ids occur: one bincount over the foreground; then a lookup table, no sort.
         present = np.bincount(values.astype(np.intp, copy=False), minlength=top + 1) > 0
-        n = int(present.sum())
-        if n == top:  # already 1..n
-            return ids.astype(np.int32, copy=False), n
+        present[0] = False
+        originals = np.flatnonzero(present)
+        if originals.size == top:  # already 1..n
+            return ids.astype(np.int32, copy=False), originals
         lut = np.zeros(top + 1, np.int32)
-        lut[present] = np.arange(1, n + 1, dtype=np.int32)
-        return lut[ids], n
+        lut[originals] = np.arange(1, originals.size + 1, dtype=np.int32)
+        return lut[ids], originals
     # Huge ids (e.g. random uint64): sort the foreground values instead.
     uniq, inverse = np.unique(values, return_inverse=True)
     out = np.zeros(ids.shape, np.int32)
     out[ids > 0] = inverse.ravel() + 1
-    return out, int(uniq.size)
+    return out, uniq
+
+
+def _as_mask_or_ids(x, valid) -> np.ndarray:
+    """A boolean mask (from booleans, 0/1 integers or probabilities > 0.5) or integer ids,
+    with the voxels outside ``valid`` set to background."""
+    x = np.asarray(x)
+    if x.dtype.kind == "f":
+        x = x > THRESHOLD
+    elif x.dtype != bool and (x.size == 0 or x.max() <= 1):
+        x = x > 0  # a 0/1 mask
+    if valid is not None:
+        valid = np.asarray(valid, dtype=bool)
+        x = x & valid if x.dtype == bool else np.where(valid, x, 0)
+    return x
+
+
+def _components(mask: np.ndarray) -> tuple[np.ndarray, int]:
+    """Connected components of a mask with full connectivity (26 in 3D, 8 in 2D), numbered
+    in raster order of their first voxel."""
+    structure = np.ones((3,) * mask.ndim, dtype=bool)
+    labels, n = ndi.label(mask, structure=structure, output=np.int32)
+    return labels, int(n)
 
 
 def label_instances(x, valid=None) -> tuple[np.ndarray, int]:
@@ -138,19 +167,53 @@ def label_instances(x, valid=None) -> tuple[np.ndarray, int]:
     components with full connectivity; other integer arrays are instance ids, kept as they
     are (renumbered 1..n). Voxels outside ``valid`` become background.
     """
-    x = np.asarray(x)
-    if x.dtype.kind == "f":
-        x = x > THRESHOLD
-    elif x.dtype != bool and (x.size == 0 or x.max() <= 1):
-        x = x > 0  # a 0/1 mask
-    if valid is not None:
-        valid = np.asarray(valid, dtype=bool)
-        x = x & valid if x.dtype == bool else np.where(valid, x, 0)
+    x = _as_mask_or_ids(x, valid)
     if x.dtype == bool:
-        structure = np.ones((3,) * x.ndim, dtype=bool)  # full (26 / 8) connectivity
-        labels, n = ndi.label(x, structure=structure, output=np.int32)
-        return labels, int(n)
+        return _components(x)
+    ids, originals = _relabel_consecutive(x)
+    return ids, int(originals.size)
+
+
+def truth_instances(truth, valid=None) -> tuple[np.ndarray, np.ndarray]:
+    """The true instances of one class: ids 1..n (int32) and the id each had as stored
+    (entry k-1: the stored id of instance k). Ids are kept as stored, as the challenge reads
+    its ground truth; a mask is split into connected components (numbered as for a
+    prediction). Voxels outside ``valid`` become background."""
+    x = _as_mask_or_ids(truth, valid)
+    if x.dtype == bool:
+        ids, n = _components(x)
+        return ids, np.arange(1, n + 1, dtype=np.int64)
     return _relabel_consecutive(x)
+
+
+def predicted_instances(pred, valid=None) -> tuple[np.ndarray, int]:
+    """The predicted instances of one class, as the challenge relabels a submission: the
+    connected components (full connectivity) of every predicted id, the pieces of one id
+    apart and touching ids apart, numbered 1..n in raster order of their first voxel (the
+    numbering matters: an unmatched component keeps its number, see ``instance_scores``).
+    Masks and probabilities (> 0.5) are one id. Voxels outside ``valid`` are background."""
+    x = _as_mask_or_ids(pred, valid)
+    if x.dtype == bool:
+        return _components(x)
+    ids, originals = _relabel_consecutive(x)
+    pieces = np.zeros(ids.shape, np.int32)
+    count = 0
+    for i, box in enumerate(ndi.find_objects(ids), start=1):
+        if box is None:
+            continue
+        labels, k = _components(ids[box] == i)
+        inside = labels > 0
+        pieces[box][inside] = labels[inside] + count
+        count += k
+    if count == 0:
+        return pieces, 0
+    # Renumber by first voxel in raster order (np.unique's first indices of the flat array).
+    flat = pieces.ravel()
+    nonzero = np.flatnonzero(flat)
+    labels, first = np.unique(flat[nonzero], return_index=True)
+    lut = np.zeros(count + 1, np.int32)
+    lut[labels[np.argsort(first, kind="stable")]] = np.arange(1, count + 1, dtype=np.int32)
+    return lut[pieces], count
 
 
 def instance_overlaps(truth_ids: np.ndarray, n_true: int, pred_ids: np.ndarray, n_pred: int):
@@ -181,19 +244,34 @@ def instance_overlaps(truth_ids: np.ndarray, n_true: int, pred_ids: np.ndarray, 
     return rows, cols, iou, true_sizes, pred_sizes
 
 
+# The challenge matches by a min-cost flow with integer costs: a matched pair costs
+# int((1 - IoU) * scale) with IoU in float32, an unmatched true instance scale + 1.
+MATCH_COST_SCALE = 1_000_000
+
+
+def match_weights(iou) -> np.ndarray:
+    """What matching a pair saves over leaving its true instance unmatched, in the
+    challenge's integer costs: ``scale + 1 - int((1 - IoU) * scale)`` (always >= 1)."""
+    iou32 = np.asarray(iou, dtype=np.float32).astype(np.float64)
+    return MATCH_COST_SCALE + 1 - np.trunc((1.0 - iou32) * MATCH_COST_SCALE).astype(np.int64)
+
+
 def match_instances(rows, cols, iou, n_true: int, n_pred: int):
-    """One-to-one matching of maximal total IoU over the overlapping pairs (IoU > 0).
+    """One-to-one matching of the overlapping pairs (IoU > 0) with the challenge's objective:
+    the largest total of :func:`match_weights` (its min-cost flow's optimum: the largest total
+    IoU, in steps of 1e-6, and among equal totals the most matches).
 
     ``rows``/``cols``/``iou`` list the nonzero entries of the IoU matrix (ids from 1). The
     overlap graph is split into connected components; a component with a single pair is a
     match outright, larger ones are solved with the Hungarian algorithm. Returns the matched
     true ids, predicted ids and their IoU.
     """
-    keep = iou > 0
+    keep = np.asarray(iou, dtype=np.float32) > 0
     rows, cols, iou = rows[keep], cols[keep], iou[keep]
     if rows.size == 0:
         empty = np.zeros(0, np.int64)
         return empty, empty, np.zeros(0)
+    weight = match_weights(iou)
     # Bipartite graph: node r-1 for true instance r, node n_true + c-1 for prediction c.
     n_nodes = n_true + n_pred
     graph = coo_matrix((np.ones(rows.size), (rows - 1, n_true + cols - 1)), shape=(n_nodes, n_nodes))
@@ -211,13 +289,15 @@ def match_instances(rows, cols, iou, n_true: int, n_pred: int):
     for edges in groups:
         r_ids, r = np.unique(rows[edges], return_inverse=True)
         c_ids, c = np.unique(cols[edges], return_inverse=True)
-        matrix = np.zeros((r_ids.size, c_ids.size))
-        matrix[r, c] = iou[edges]
+        matrix = np.zeros((r_ids.size, c_ids.size), np.int64)
+        matrix[r, c] = weight[edges]
+        overlap = np.zeros(matrix.shape)
+        overlap[r, c] = iou[edges]
         ri, ci = linear_sum_assignment(matrix, maximize=True)
         ok = matrix[ri, ci] > 0
         matched_t.append(r_ids[ri[ok]])
         matched_p.append(c_ids[ci[ok]])
-        matched_iou.append(matrix[ri[ok], ci[ok]])
+        matched_iou.append(overlap[ri[ok], ci[ok]])
     return np.concatenate(matched_t), np.concatenate(matched_p), np.concatenate(matched_iou)
 
 
@@ -247,34 +327,93 @@ def normalize_distance(distance, voxel_size):
     return 1.01 ** (-np.asarray(distance, dtype=float) / np.linalg.norm(voxel_size))
 
 
+def ratio_cutoff(n_true: int) -> float:
+    """Most predicted instances per true instance the 2025 metric scores in one crop."""
+    return 10.0 + 50.0 * math.exp(-n_true / 5.0)
+
+
+def _union_box(boxes):
+    return tuple(slice(min(b[d].start for b in boxes), max(b[d].stop for b in boxes))
+                 for d in range(len(boxes[0])))
+
+
 def _pair_hausdorff(truth_ids, pred_ids, matched_t, matched_p, voxel_size) -> np.ndarray:
-    """Hausdorff distance of every matched pair, on the pair's joint bounding box."""
+    """Hausdorff distance of every matched pair alone, on the pair's joint bounding box."""
     true_boxes = ndi.find_objects(truth_ids)
     pred_boxes = ndi.find_objects(pred_ids)
     out = np.zeros(len(matched_t))
     for k, (i, j) in enumerate(zip(matched_t, matched_p)):
-        tb, pb = true_boxes[i - 1], pred_boxes[j - 1]
-        box = tuple(slice(min(s.start, q.start), max(s.stop, q.stop)) for s, q in zip(tb, pb))
+        box = _union_box([true_boxes[i - 1], pred_boxes[j - 1]])
         out[k] = hausdorff_distance(truth_ids[box] == i, pred_ids[box] == j, voxel_size)
     return out
 
 
-def instance_scores(pred, truth, voxel_size, valid=None) -> dict:
-    """Instance F1, Hausdorff distances and the combined CellMap instance score of one crop.
+def truth_hausdorff(truth_ids, stored_ids, pred_ids, n_pred: int, matched_t, matched_p,
+                    voxel_size, cap: float) -> np.ndarray:
+    """One distance (nm, at most ``cap``) per true instance, as the challenge computes it.
 
-    ``pred``/``truth``: binary masks (split into connected components), probabilities
-    (thresholded at 0.5) or instance-id arrays; ``voxel_size`` in nm per axis; ``valid``:
-    voxels that count (None: all). Returned keys: ``tp``, ``fp``, ``fn`` (instances),
-    ``n_true``, ``n_pred``, ``f1``, ``hausdorff_nm`` (per matched pair, capped),
-    ``mean_hausdorff_nm`` (over matched pairs, None without any), ``hausdorff_cap_nm``,
-    ``normalized_hausdorff`` (mean over matched and unmatched instances) and ``score``.
+    The challenge gives each matched prediction the id of its true instance and leaves every
+    unmatched prediction its own component number; the distance of true instance k is then
+    taken to every predicted voxel that carries k's stored id. So an unmatched component
+    whose number equals a stored true id counts as part of that instance: added to its match,
+    or standing in for a missed instance (which otherwise gets the cap).
     """
-    truth_ids, n_true = label_instances(truth, valid)
-    pred_ids, n_pred = label_instances(pred, valid)
+    n_true = len(stored_ids)
+    match_of = np.zeros(n_true + 1, np.int64)
+    match_of[matched_t] = matched_p
+    pred_matched = np.zeros(n_pred + 1, bool)
+    pred_matched[matched_p] = True
+    true_boxes = ndi.find_objects(truth_ids, max_label=n_true)
+    pred_boxes = ndi.find_objects(pred_ids, max_label=n_pred)
+    out = np.full(n_true, float(cap))
+    for k in range(1, n_true + 1):
+        parts = [int(match_of[k])] if match_of[k] else []
+        stored = int(stored_ids[k - 1])
+        if stored <= n_pred and not pred_matched[stored]:
+            parts.append(stored)  # an unmatched component numbered like this true id
+        if not parts:
+            continue
+        box = _union_box([true_boxes[k - 1]] + [pred_boxes[p - 1] for p in parts])
+        region = pred_ids[box]
+        predicted = region == parts[0] if len(parts) == 1 else np.isin(region, parts)
+        out[k - 1] = min(hausdorff_distance(truth_ids[box] == k, predicted, voxel_size), cap)
+    return out
+
+
+def instance_scores(pred, truth, voxel_size, valid=None) -> dict:
+    """The CellMap challenge's (2025) instance scores of one class in one crop.
+
+    ``pred``: a mask, probabilities (> 0.5) or instance ids, relabelled by
+    :func:`predicted_instances`; ``truth``: instance ids (kept as stored) or a mask (split
+    into connected components); ``voxel_size`` in nm per axis; ``valid``: voxels that count
+    (None: all). Matching: :func:`match_instances`. Distances: one per true instance
+    (:func:`truth_hausdorff`) and the cap for every unmatched prediction, taken in float32
+    and normalised (:func:`normalize_distance`). A crop with more predicted instances than
+    ``ratio_cutoff(largest true id)`` per true instance is skipped (``status``): it adds
+    nothing to its class.
+
+    Returned keys: ``tp``, ``fp``, ``fn`` (instances), ``n_true``, ``n_pred``, ``f1``,
+    ``hausdorff_nm`` (per true instance, in id order), ``mean_hausdorff_nm`` (over matched
+    true instances, None without any), ``matched_hausdorff_sum_nm``, ``hausdorff_cap_nm``,
+    ``hausdorff_norm_sum`` and ``n_hausdorff`` (what the class pools),
+    ``normalized_hausdorff`` (their mean in this crop), ``score`` = sqrt(f1 x that mean) and
+    ``status``.
+    """
+    truth_ids, stored_ids = truth_instances(truth, valid)
+    pred_ids, n_pred = predicted_instances(pred, valid)
     if truth_ids.shape != pred_ids.shape:
         raise ValueError(f"prediction shape {pred_ids.shape} differs from ground truth {truth_ids.shape}")
+    n_true = int(stored_ids.size)
     voxel_size = np.asarray(voxel_size, dtype=float)
     cap = hausdorff_cap(truth_ids.shape, voxel_size)
+    out = {"n_true": n_true, "n_pred": n_pred, "hausdorff_cap_nm": cap, "status": "scored"}
+
+    largest_id = int(stored_ids[-1]) if n_true else 0  # the challenge counts true ids by the largest
+    if largest_id and n_pred and n_pred / largest_id > ratio_cutoff(largest_id):
+        return {**out, "status": "skipped_too_many_instances", "tp": 0, "fp": 0, "fn": 0,
+                "f1": 0.0, "hausdorff_nm": [], "mean_hausdorff_nm": None,
+                "matched_hausdorff_sum_nm": 0.0, "hausdorff_norm_sum": 0.0, "n_hausdorff": 0,
+                "normalized_hausdorff": 0.0, "score": 0.0}
 
     rows, cols, iou, _, _ = instance_overlaps(truth_ids, n_true, pred_ids, n_pred)
     matched_t, matched_p, _ = match_instances(rows, cols, iou, n_true, n_pred)
@@ -282,20 +421,23 @@ def instance_scores(pred, truth, voxel_size, valid=None) -> dict:
     fp, fn = n_pred - tp, n_true - tp
     f1 = 2 * tp / (2 * tp + fp + fn) if (tp + fp + fn) > 0 else 1.0
 
-    hd = np.minimum(_pair_hausdorff(truth_ids, pred_ids, matched_t, matched_p, voxel_size), cap)
-    normalized = np.concatenate([normalize_distance(hd, voxel_size),
-                                 np.full(fp + fn, normalize_distance(cap, voxel_size))])
+    per_true = truth_hausdorff(truth_ids, stored_ids, pred_ids, n_pred, matched_t, matched_p,
+                               voxel_size, cap).astype(np.float32)
+    distances = np.concatenate([per_true, np.full(fp, cap, np.float32)])
+    normalized = normalize_distance(distances, voxel_size)
     mean_normalized = float(normalized.mean()) if normalized.size else 1.0
+    matched = per_true[matched_t - 1].astype(float)
     return {
+        **out,
         "tp": tp,
         "fp": fp,
         "fn": fn,
-        "n_true": n_true,
-        "n_pred": n_pred,
         "f1": float(f1),
-        "hausdorff_nm": hd.tolist(),
-        "mean_hausdorff_nm": float(hd.mean()) if tp else None,
-        "hausdorff_cap_nm": cap,
+        "hausdorff_nm": per_true.astype(float).tolist(),
+        "mean_hausdorff_nm": float(matched.mean()) if tp else None,
+        "matched_hausdorff_sum_nm": float(matched.sum()),
+        "hausdorff_norm_sum": float(normalized.sum()),
+        "n_hausdorff": int(normalized.size),
         "normalized_hausdorff": mean_normalized,
         "score": float(math.sqrt(f1 * mean_normalized)),
     }
@@ -306,17 +448,36 @@ def instance_scores(pred, truth, voxel_size, valid=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def score_class(pred, truth, valid, voxel_size, instance: bool) -> dict:
+    """Scores of one class in one crop: semantic IoU/Dice and voxel counts, and for an
+    instance class also :func:`instance_scores` (its instance counts named
+    ``instance_tp``/``instance_fp``/``instance_fn``, since ``tp``/``fp``/``fn`` count voxels).
+    ``pred``: mask, probabilities (> 0.5) or ids; ``valid``: voxels that count (None: all)."""
+    truth = np.asarray(truth)
+    pred = np.asarray(pred)
+    if pred.shape != truth.shape or (valid is not None and np.shape(valid) != truth.shape):
+        raise ValueError(
+            f"prediction {pred.shape}, ground truth {truth.shape} and validity mask "
+            f"{np.shape(valid)} must have one shape (resample the prediction to the crop's grid)"
+        )
+    if pred.dtype.kind == "f":
+        pred = pred > THRESHOLD
+    scores = {"type": "semantic", **semantic_crop_scores(pred, truth, valid)}
+    if instance:
+        inst = instance_scores(pred, truth, voxel_size, valid)
+        for key in ("tp", "fp", "fn"):
+            inst[f"instance_{key}"] = inst.pop(key)
+        scores.update(type="instance", **inst)
+    return scores
+
+
 def score_crop(pred_by_class: dict, truth_by_class: dict, valid_by_class: dict, voxel_size,
                instance_classes=INSTANCE_CLASSES) -> dict:
-    """Scores of every class a crop annotates.
+    """Scores of every class a crop annotates (:func:`score_class`).
 
     ``truth_by_class`` names the annotated classes (a class missing there is not scored);
     a class missing from ``pred_by_class`` counts as an empty prediction, one missing from
-    ``valid_by_class`` as valid everywhere. A class with no valid voxel is skipped. Every
-    class gets semantic IoU/Dice and counts; classes in ``instance_classes`` also get the
-    instance metrics of ``instance_scores`` (without the per-pair list; its instance counts
-    renamed ``instance_tp``/``instance_fp``/``instance_fn``, since ``tp``/``fp``/``fn`` count
-    voxels).
+    ``valid_by_class`` as valid everywhere. A class with no valid voxel is skipped.
     Returns ``{"voxel_size": [...], "classes": {name: scores}}``.
     """
     classes = {}
@@ -324,26 +485,14 @@ def score_crop(pred_by_class: dict, truth_by_class: dict, valid_by_class: dict, 
         truth = np.asarray(truth)
         valid = valid_by_class.get(name)
         valid = np.ones(truth.shape, bool) if valid is None else np.asarray(valid, dtype=bool)
-        if not valid.any():
+        if valid.shape == truth.shape and not valid.any():
             continue
         pred = pred_by_class.get(name)
-        pred = np.zeros(truth.shape, bool) if pred is None else np.asarray(pred)
-        if pred.shape != truth.shape or valid.shape != truth.shape:
-            raise ValueError(
-                f"class {name!r}: prediction {pred.shape}, ground truth {truth.shape} and validity "
-                f"mask {valid.shape} must have one shape (resample the prediction to the crop's grid)"
-            )
-        if pred.dtype.kind == "f":
-            pred = pred > THRESHOLD
-        scores = {"type": "semantic", **semantic_crop_scores(pred, truth, valid)}
-        if name in instance_classes:
-            inst = instance_scores(pred, truth, voxel_size, valid)
-            inst.pop("hausdorff_nm")
-            # tp/fp/fn above count voxels; the instance counts get their own names.
-            for key in ("tp", "fp", "fn"):
-                inst[f"instance_{key}"] = inst.pop(key)
-            scores.update(type="instance", **inst)
-        classes[name] = scores
+        pred = np.zeros(truth.shape, bool) if pred is None else pred
+        try:
+            classes[name] = score_class(pred, truth, valid, voxel_size, name in instance_classes)
+        except ValueError as e:
+            raise ValueError(f"class {name!r}: {e}") from None
     return {"voxel_size": [float(v) for v in voxel_size], "classes": classes}
 
 
@@ -362,14 +511,44 @@ def scores_by_class(crops: list[dict]) -> dict[str, list[dict]]:
     return by_class
 
 
-def combine_scores(crops: list[dict]) -> dict:
-    """Per-class and overall scores over several ``score_crop`` results.
+def overall_scores(semantic_ious, instance_scores_) -> dict:
+    """The overall scores from the per-class ones: ``mean_semantic_iou`` (plain mean over
+    semantic classes), ``mean_instance_score`` (plain mean over instance classes) and
+    ``score``, their geometric mean. A half with no class is None ("not scored") and the
+    score is then the other half alone (the challenge scores every class of its test set,
+    so both halves always exist there); None when nothing was scored."""
+    semantic, instance = _mean(semantic_ious), _mean(instance_scores_)
+    if semantic is not None and instance is not None:
+        overall = math.sqrt(semantic * instance)
+    else:
+        overall = semantic if instance is None else instance
+    return {"mean_semantic_iou": semantic, "mean_instance_score": instance, "score": overall}
 
-    Semantic counts are pooled over crops (IoU/Dice of the summed TP/FP/FN); instance
-    metrics are averaged over the crops that annotate the class. Overall:
-    ``mean_semantic_iou`` (over semantic classes), ``mean_instance_score`` (over instance
-    classes) and ``score`` = sqrt(mean_semantic_iou * mean_instance_score), or whichever of
-    the two exists when a set of classes is empty (None when nothing was scored).
+
+def pool_instance_scores(entries: list[dict]) -> dict:
+    """One instance class over crops, the 2025 way: instance TP/FP/FN pooled into F1, the
+    normalised distances pooled into their mean, score = sqrt(F1 x mean). A class with no
+    instance and no distance anywhere scores 1 (F1, mean and score)."""
+    tp, fp, fn = (sum(e[f"instance_{k}"] for e in entries) for k in ("tp", "fp", "fn"))
+    norm_sum = sum(e["hausdorff_norm_sum"] for e in entries)
+    count = sum(e["n_hausdorff"] for e in entries)
+    if 2 * tp + fp + fn == 0 and count == 0:
+        f1 = normalized = 1.0
+    else:
+        f1 = 2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else 0.0
+        normalized = norm_sum / count if count else 0.0
+    matched_sum = sum(e.get("matched_hausdorff_sum_nm", 0.0) for e in entries)
+    return {"instance_tp": tp, "instance_fp": fp, "instance_fn": fn, "f1": f1,
+            "normalized_hausdorff": normalized, "score": math.sqrt(f1 * normalized),
+            "mean_hausdorff_nm": matched_sum / tp if tp else None}
+
+
+def combine_scores(crops: list[dict]) -> dict:
+    """Per-class and overall scores over several crops' scores (:func:`score_crop`), by the
+    CellMap challenge's 2025 rules; validation and the scoring command both use it.
+
+    Semantic: voxel TP/FP/FN pooled over crops, IoU/Dice of the sums. Instance:
+    :func:`pool_instance_scores`. Overall: :func:`overall_scores`.
     """
     classes = {}
     for name, entries in scores_by_class(crops).items():
@@ -378,25 +557,11 @@ def combine_scores(crops: list[dict]) -> dict:
         kind = "instance" if any(e["type"] == "instance" for e in entries) else "semantic"
         out = {"type": kind, "crops": len(entries), "iou": iou, "dice": dice, "tp": tp, "fp": fp, "fn": fn}
         if kind == "instance":
-            inst = [e for e in entries if e["type"] == "instance"]
-            out.update(
-                score=_mean(e["score"] for e in inst),
-                f1=_mean(e["f1"] for e in inst),
-                normalized_hausdorff=_mean(e["normalized_hausdorff"] for e in inst),
-                mean_hausdorff_nm=_mean(e["mean_hausdorff_nm"] for e in inst),
-                **{f"instance_{k}": sum(e[f"instance_{k}"] for e in inst) for k in ("tp", "fp", "fn")},
-            )
+            out.update(pool_instance_scores([e for e in entries if e["type"] == "instance"]))
         classes[name] = out
-    semantic = _mean(c["iou"] for c in classes.values() if c["type"] == "semantic")
-    instance = _mean(c["score"] for c in classes.values() if c["type"] == "instance")
-    if semantic is not None and instance is not None:
-        overall = math.sqrt(semantic * instance)
-    else:
-        overall = semantic if instance is None else instance
-    return {
-        "classes": classes,
-        "overall": {"mean_semantic_iou": semantic, "mean_instance_score": instance, "score": overall},
-    }
+    overall = overall_scores([c["iou"] for c in classes.values() if c["type"] == "semantic"],
+                             [c["score"] for c in classes.values() if c["type"] == "instance"])
+    return {"classes": classes, "overall": overall}
 
 
 def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
@@ -406,7 +571,7 @@ def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
     ``val/instance_score/<class>``, ``val/f1/<class>`` and ``val/hausdorff_nm/<class>`` for
     instance classes, ``val/mean_iou`` and ``val/mean_dice`` over every scored class, and the
     challenge's overall ``val/mean_semantic_iou``, ``val/mean_instance_score`` and
-    ``val/score``.
+    ``val/score`` (a half that was not scored is left out).
     """
     out: dict[str, float] = {}
     per_class = combined["classes"]

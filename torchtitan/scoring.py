@@ -23,17 +23,23 @@ Metric versions (``--metric-version``), as the challenge defines them:
   counts is reported beside it;
 * instance classes: the prediction is split into connected components (full connectivity),
   matched one-to-one to the true instances for maximal total IoU; TP/FP/FN instance counts
-  pooled over crops give F1. Every true instance contributes one Hausdorff distance (to its
-  match, or the cap when unmatched) and every unmatched prediction one more at the cap; the
-  cap is half the shortest side of the crop (nm). Each distance is normalised to
-  ``1.01 ** (-d / |voxel_size|)`` and the normalised values are averaged over the class
-  (pooled over crops). Class score = sqrt(F1 * mean normalised distance);
-* a crop whose prediction has too many instances (more than ``10 + 50 exp(-n_true / 5)``
-  per true instance) contributes nothing to its class;
+  pooled over crops give F1. Every true instance contributes one Hausdorff distance and every
+  unmatched prediction one more at the cap; the cap is half the shortest side of the crop
+  (nm). As in the challenge's code, a true instance's distance is taken to its match together
+  with any unmatched component whose number equals the instance's stored id (the challenge
+  leaves unmatched components their numbers when it gives matches their true ids), so a
+  missed instance gets a real distance, not the cap, when such a component exists. Each
+  distance is normalised to ``1.01 ** (-d / |voxel_size|)`` and the normalised values are
+  averaged over the class (pooled over crops). Class score = sqrt(F1 * mean normalised
+  distance). All of it is :mod:`torchtitan.evaluation`'s, which validation logs;
+* a crop whose prediction has too many instances (more than ``10 + 50 exp(-n / 5)`` per
+  true instance, n the largest true id) contributes nothing to its class;
 * a class a crop annotates but the submission leaves out counts every voxel of the crop as
   a false negative (semantic) or every true instance as missed (instance);
 * overall: the plain mean of the instance class scores, the plain mean of the semantic
-  class IoUs, and their geometric mean.
+  class IoUs, and their geometric mean. When the classes scored (``--classes``) hold only one
+  kind, the other half is "not scored" and the overall score is the half that was (the
+  challenge's own code would multiply by 0; its test set always holds both kinds).
 
 ``2024`` (the original definition), per crop and class, then averaged over crops weighted by
 their voxel counts:
@@ -47,7 +53,7 @@ their voxel counts:
   predictions per true instance scores 0;
 * a class left out of the submission scores 0;
 * overall: the mean over instance classes of the combined score and over semantic classes of
-  the IoU, and their geometric mean.
+  the IoU, and their geometric mean (a half with no class: as for 2025).
 
 In both, voxels the ground truth marks unknown are set to background in prediction and truth
 (the challenge's masks), and only classes of the CellMap class table are scored (a fetched
@@ -63,7 +69,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import scipy.ndimage as ndi
 
 from torchtitan.cellmap.challenge import ALL_LABELS_GROUP
 from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES, check_class_names
@@ -75,11 +80,16 @@ from torchtitan.datasets import cellmap
 from torchtitan.errors import UserError
 from torchtitan.evaluation import (
     THRESHOLD,
+    combine_scores,
     instance_overlaps,
-    label_instances,
     match_instances,
     normalize_distance,
+    overall_scores,
+    predicted_instances,
+    score_class,
     scores_by_class,
+    semantic_crop_scores,
+    truth_instances,
 )
 from torchtitan.evaluation import _pair_hausdorff as pair_hausdorff  # noqa: PLC2701
 
@@ -218,80 +228,29 @@ def read_truth(crop, name: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def split_components(pred) -> tuple[np.ndarray, int]:
-    """Connected components (full connectivity) of a prediction, as the challenge relabels
-    instance submissions: a mask is labelled; ids are kept apart and each id's disconnected
-    pieces become separate instances. Returns ids 1..n (int32) and n."""
-    pred = np.asarray(pred)
-    if pred.dtype == bool or pred.dtype.kind == "f" or (pred.size and pred.max() <= 1):
-        return label_instances(pred > (THRESHOLD if pred.dtype.kind == "f" else 0))
-    ids, n = label_instances(pred)  # renumbered 1..n, not yet split
-    out = np.zeros(ids.shape, np.int32)
-    structure = np.ones((3,) * ids.ndim, bool)
-    count = 0
-    for i, box in enumerate(ndi.find_objects(ids), start=1):
-        if box is None:
-            continue
-        pieces, k = ndi.label(ids[box] == i, structure=structure)
-        out[box][pieces > 0] = pieces[pieces > 0] + count
-        count += k
-    return out, count
-
-
-def ratio_cutoff_2025(n_true: int) -> float:
-    """Most predicted instances per true instance the revised metric scores."""
-    return 10.0 + 50.0 * math.exp(-n_true / 5.0)
-
-
 RATIO_CUTOFF_2024 = 50.0
 
 
-def hausdorff_cap(version: str, shape, voxel_size) -> float:
-    """The distance (nm) unmatched instances get, and no matched pair exceeds."""
-    v = np.asarray(voxel_size, dtype=float)
-    if version == "2025":
-        return float(np.min(v * np.asarray(shape)) / 2)
-    return float(np.linalg.norm(v) * math.log(1e4) / math.log(1.01))
+def hausdorff_cap_2024(voxel_size) -> float:
+    """The 2024 metric's distance (nm) for unmatched true instances (normalised value 1e-4)."""
+    return float(np.linalg.norm(np.asarray(voxel_size, dtype=float)) * math.log(1e4) / math.log(1.01))
 
 
-def _semantic(pred, truth) -> dict:
-    p, t = pred > 0, truth > 0
-    tp = int(np.count_nonzero(p & t))
-    fp, fn = int(np.count_nonzero(p)) - tp, int(np.count_nonzero(t)) - tp
-    union = tp + fp + fn
-    return {"tp": tp, "fp": fp, "fn": fn,
-            "iou": tp / union if union else 1.0, "dice": 2 * tp / (2 * tp + fp + fn) if union else 1.0}
-
-
-def _instance(pred, truth, voxel_size, version: str) -> dict:
-    truth_ids, n_true = label_instances(truth)
-    pred_ids, n_pred = split_components(pred)
-    cap = hausdorff_cap(version, truth_ids.shape, voxel_size)
+def _instance_2024(pred, truth, voxel_size) -> dict:
+    truth_ids, stored = truth_instances(truth)
+    n_true = int(stored.size)
+    pred_ids, n_pred = predicted_instances(pred)
+    cap = hausdorff_cap_2024(voxel_size)
     out = {"n_true": n_true, "n_pred": n_pred, "hausdorff_cap_nm": cap, "status": "scored"}
-    cutoff = ratio_cutoff_2025(n_true) if version == "2025" else RATIO_CUTOFF_2024
-    if n_true and n_pred / n_true > cutoff:
-        out["status"] = "skipped_too_many_instances"
-        if version == "2025":  # contributes nothing to the class
-            return {**out, "instance_tp": 0, "instance_fp": 0, "instance_fn": 0,
-                    "hausdorff_norm_sum": 0.0, "n_hausdorff": 0, "f1": 0.0,
-                    "normalized_hausdorff": 0.0, "score": 0.0}
-        return {**out, "accuracy": 0.0, "hausdorff_nm": math.inf, "normalized_hausdorff": 0.0,
-                "score": 0.0}
+    if n_true and n_pred / n_true > RATIO_CUTOFF_2024:
+        return {**out, "status": "skipped_too_many_instances", "accuracy": 0.0,
+                "hausdorff_nm": math.inf, "normalized_hausdorff": 0.0, "score": 0.0}
     rows, cols, iou, _, _ = instance_overlaps(truth_ids, n_true, pred_ids, n_pred)
     matched_t, matched_p, _ = match_instances(rows, cols, iou, n_true, n_pred)
     hd = np.minimum(pair_hausdorff(truth_ids, pred_ids, matched_t, matched_p, voxel_size), cap)
     tp = len(matched_t)
     fp, fn = n_pred - tp, n_true - tp
-    if version == "2025":
-        norm = np.concatenate([normalize_distance(hd, voxel_size),
-                               np.full(fp + fn, normalize_distance(cap, voxel_size))])
-        f1 = 2 * tp / (2 * tp + fp + fn) if (tp + fp + fn) else 1.0
-        mean_norm = float(norm.mean()) if norm.size else 1.0
-        return {**out, "instance_tp": tp, "instance_fp": fp, "instance_fn": fn,
-                "hausdorff_norm_sum": float(norm.sum()), "n_hausdorff": int(norm.size),
-                "f1": float(f1), "normalized_hausdorff": mean_norm,
-                "score": float(math.sqrt(f1 * mean_norm))}
-    # 2024: ids of matched predictions become their true ids; unmatched ones never agree.
+    # Ids of matched predictions become their true ids; unmatched ones never agree.
     lut = np.full(n_pred + 1, -1, np.int64)
     lut[0] = 0
     lut[matched_p] = matched_t
@@ -306,7 +265,8 @@ def _instance(pred, truth, voxel_size, version: str) -> dict:
 
 def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAULT_METRIC_VERSION) -> dict:
     """The challenge's scores of one class in one crop (``pred`` None: left out of the
-    submission). ``truth`` holds a mask or ids, ``valid`` the annotated voxels."""
+    submission). ``truth`` holds a mask or ids, ``valid`` the annotated voxels. The 2025
+    scores are :func:`torchtitan.evaluation.score_class`'s, the ones validation logs."""
     if version not in METRIC_VERSIONS:
         raise SubmissionError(f"--metric-version {version!r}: expected one of {sorted(METRIC_VERSIONS)}")
     truth = np.where(valid, truth, 0)
@@ -314,11 +274,11 @@ def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAUL
     num_voxels = int(truth.size)
     if pred is None:
         out = {"type": kind, "predicted": False, "num_voxels": num_voxels,
-               **_semantic(np.zeros(truth.shape, bool), truth)}
+               **semantic_crop_scores(np.zeros(truth.shape, bool), truth)}
         if version == "2025" and kind == "semantic":  # every voxel a false negative
             out.update(tp=0, fp=0, fn=num_voxels, iou=0.0, dice=0.0)
         if kind == "instance":
-            n_true = label_instances(truth)[1]
+            n_true = int(truth_instances(truth)[1].size)
             if version == "2025":
                 out.update(instance_tp=0, instance_fp=0, instance_fn=n_true, hausdorff_norm_sum=0.0,
                            n_hausdorff=0, f1=0.0, normalized_hausdorff=0.0, score=0.0, n_true=n_true)
@@ -332,12 +292,15 @@ def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAUL
     if pred.shape != truth.shape:
         raise ValueError(f"class {name!r}: prediction {pred.shape} and ground truth {truth.shape} "
                          "must have one shape (resample the prediction to the crop's grid)")
+    if version == "2025":
+        return {"predicted": True, "num_voxels": num_voxels,
+                **score_class(pred, truth, valid, voxel_size, kind == "instance")}
     if pred.dtype.kind == "f":
         pred = pred > THRESHOLD
     pred = np.where(valid, pred, 0)
-    out = {"type": kind, "predicted": True, "num_voxels": num_voxels, **_semantic(pred, truth)}
+    out = {"type": kind, "predicted": True, "num_voxels": num_voxels, **semantic_crop_scores(pred, truth)}
     if kind == "instance":
-        out.update(_instance(pred, truth, voxel_size, version))
+        out.update(_instance_2024(pred, truth, voxel_size))
     return out
 
 
@@ -355,41 +318,24 @@ def _weighted(entries, key) -> float | None:
 
 def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VERSION) -> dict:
     """Per-class and overall scores over ``score_label`` results (``[{"classes": {...}}]``),
-    by the rules of ``version`` (module docstring)."""
+    by the rules of ``version`` (module docstring). 2025: validation's own
+    :func:`torchtitan.evaluation.combine_scores`."""
+    if version == "2025":
+        return combine_scores(crops)
     classes = {}
     for name, entries in scores_by_class(crops).items():
         kind = entries[0]["type"]
-        out = {"type": kind, "crops": len(entries)}
-        if version == "2025":
-            tp, fp, fn = (sum(e[k] for e in entries) for k in ("tp", "fp", "fn"))
-            out.update(tp=tp, fp=fp, fn=fn, iou=tp / (tp + fp + fn) if tp + fp + fn else 1.0,
-                       dice=2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0)
-            if kind == "instance":
-                itp, ifp, ifn = (sum(e[f"instance_{k}"] for e in entries) for k in ("tp", "fp", "fn"))
-                hsum = sum(e["hausdorff_norm_sum"] for e in entries)
-                hcount = sum(e["n_hausdorff"] for e in entries)
-                if 2 * itp + ifp + ifn == 0 and hcount == 0:
-                    f1 = hd = 1.0  # nothing anywhere
-                else:
-                    f1 = 2 * itp / (2 * itp + ifp + ifn) if 2 * itp + ifp + ifn else 0.0
-                    hd = hsum / hcount if hcount else 0.0
-                out.update(instance_tp=itp, instance_fp=ifp, instance_fn=ifn, f1=f1,
-                           normalized_hausdorff=hd, score=math.sqrt(f1 * hd))
-        else:
-            out.update(iou=_weighted(entries, "iou"), dice=_weighted(entries, "dice"))
-            if kind == "instance":
-                out.update(accuracy=_weighted(entries, "accuracy"),
-                           hausdorff_nm=_weighted(entries, "hausdorff_nm"),
-                           normalized_hausdorff=_weighted(entries, "normalized_hausdorff"),
-                           score=_weighted(entries, "score"))
+        out = {"type": kind, "crops": len(entries),
+               "iou": _weighted(entries, "iou"), "dice": _weighted(entries, "dice")}
+        if kind == "instance":
+            out.update(accuracy=_weighted(entries, "accuracy"),
+                       hausdorff_nm=_weighted(entries, "hausdorff_nm"),
+                       normalized_hausdorff=_weighted(entries, "normalized_hausdorff"),
+                       score=_weighted(entries, "score"))
         classes[name] = out
-    inst = [c["score"] for c in classes.values() if c["type"] == "instance" and c["score"] is not None]
-    sem = [c["iou"] for c in classes.values() if c["type"] == "semantic" and c["iou"] is not None]
-    instance_score = float(np.mean(inst)) if inst else 0.0
-    semantic_score = float(np.mean(sem)) if sem else 0.0
-    return {"classes": classes,
-            "overall": {"instance_score": instance_score, "semantic_score": semantic_score,
-                        "score": math.sqrt(instance_score * semantic_score)}}
+    overall = overall_scores([c["iou"] for c in classes.values() if c["type"] == "semantic"],
+                             [c["score"] for c in classes.values() if c["type"] == "instance"])
+    return {"classes": classes, "overall": overall}
 
 
 def _truth_crops(groundtruth) -> dict:
@@ -480,6 +426,9 @@ def format_table(result: dict) -> str:
         return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) \
             else fmt.format(value)
 
+    def half(value):  # a half of the overall score with no class in it
+        return "not scored" if value is None else num(value)
+
     header = f"{'crop':<8} {'class':<10} {'type':<8} {'IoU':>6} {'Dice':>6} {'F1/acc':>6} {'HDnorm':>6} {'score':>6}"
     lines = [f"metric: {result['metric_description']}", header, "-" * len(header)]
 
@@ -498,7 +447,7 @@ def format_table(result: dict) -> str:
         row("all", name, s)
     o = result["overall"]
     lines.append(
-        f"semantic score {num(o['semantic_score'])}  instance score {num(o['instance_score'])}  "
+        f"semantic score {half(o['mean_semantic_iou'])}  instance score {half(o['mean_instance_score'])}  "
         f"overall score {num(o['score'])}  ({result['metric']})"
     )
     return "\n".join(lines)

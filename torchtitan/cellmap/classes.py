@@ -109,10 +109,12 @@ CLASS_PARTS: dict[str, tuple[str, ...]] = {
     name: tuple(_NAME_OF_ID[i] for i in parts) for _, name, _, parts in _TABLE if parts
 }
 
-# The challenge's instance classes (scored per object); others are scored semantically. The
-# challenge also lists ``vim``, which it does not score.
+# The challenge's instance classes, as its evaluation code lists them (``INSTANCE_CLASSES`` of
+# cellmap-segmentation-challenge): scored per object; every other class is scored semantically.
+# This tuple is the one owner of that fact (scoring, validation, submissions and post-processing
+# import it).
 INSTANCE_CLASSES: tuple[str, ...] = (
-    "nuc", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell",
+    "nuc", "vim", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell",
 )
 
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.samples import READ_ERRORS, CropReader, crop_grid
 from torchtitan.datasets.slices import SliceReader, build_slice_samples, load_slice_data
 from torchtitan.datasets.targets import annotates, read_instance_ids
-from torchtitan.evaluation import INSTANCE_CLASSES, combine_scores, score_crop, validation_scores
+from torchtitan.evaluation import combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume
 from torchtitan.models import (
     SegmentationModel,
