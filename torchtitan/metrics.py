@@ -13,18 +13,50 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 peak FLOP/s per GPU, for MFU. Unknown devices (and CPUs) report no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "B200": 2250e12}
+# Dense peak FLOP/s per GPU (datasheet figures, without sparsity) by the precision the step's
+# matmuls run in: bf16, TF32 (float32 with TensorFloat-32 matmuls) and plain float32 (IEEE). MFU
+# divides by the peak of the step's own precision. Unknown devices (and CPUs) report no MFU.
+PEAK_FLOPS = {
+    "H100": {"bfloat16": 989e12, "tf32": 494.5e12, "float32": 66.9e12},
+    "H200": {"bfloat16": 989e12, "tf32": 494.5e12, "float32": 66.9e12},
+    "GH200": {"bfloat16": 989e12, "tf32": 494.5e12, "float32": 66.9e12},
+    "A100": {"bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+    "B200": {"bfloat16": 2250e12, "tf32": 1100e12, "float32": 75e12},
+}
 
 
-def device_peak_flops(device: torch.device) -> float | None:
+def tf32_matmuls() -> bool:
+    """Whether float32 matmuls on CUDA run as TF32 (torch's new per-backend setting if it was
+    made, else the global ``torch.set_float32_matmul_precision``)."""
+    setting = torch.backends.cuda.matmul.fp32_precision  # "ieee", "tf32" or "none" (unset)
+    if setting != "none":
+        return setting == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def matmul_precision(dtype: torch.dtype) -> str:
+    """The ``PEAK_FLOPS`` column of a step whose compute dtype is ``dtype``."""
+    if dtype == torch.bfloat16:
+        return "bfloat16"
+    if dtype == torch.float32:
+        return "tf32" if tf32_matmuls() else "float32"
+    raise ValueError(f"no peak FLOP/s for compute dtype {dtype}")
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of a GPU by name (e.g. "NVIDIA H100 80GB HBM3") for ``precision``
+    (a ``PEAK_FLOPS`` column); None for an unknown GPU."""
+    for key, value in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in device_name:
+            return value[precision]
+    return None
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of ``device`` for steps computed in ``dtype``; None off CUDA."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key in name:
-            return value
-    return None
+    return peak_flops(torch.cuda.get_device_name(device), matmul_precision(dtype))
 
 
 class MetricLogger:
@@ -96,11 +128,13 @@ class Throughput:
     """Times steps between logs and turns them into voxels/s, FLOP/s and MFU."""
 
     def __init__(self, voxels_per_sample: int, flops_per_sample: float, global_batch: int,
-                 world_size: int, device: torch.device):
+                 world_size: int, device: torch.device, compute_dtype: torch.dtype):
+        """``compute_dtype``: what the step's matmuls run in (bf16 under mixed precision,
+        else float32); MFU is measured against that precision's peak."""
         self.voxels_per_step = voxels_per_sample * global_batch
         self.flops_per_step = flops_per_sample * global_batch
         self.world_size = world_size
-        self.peak = device_peak_flops(device)
+        self.peak = device_peak_flops(device, compute_dtype)
         self.device = device
         self.reset()
 

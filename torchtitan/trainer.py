@@ -51,6 +51,7 @@ from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.parallelisms.parallelize import (
+    DTYPES,
     autocast_context,
     check_parallelism,
     parallelize,
@@ -380,7 +381,7 @@ class Trainer:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", start, total)
         voxels = int(torch.tensor(cfg.model.crop_size).prod())
         meter = Throughput(voxels, self.flops_per_sample, cfg.training.batch_size,
-                           self.world_size, self.device)
+                           self.world_size, self.device, DTYPES[cfg.training.mixed_precision_param])
         data_iter = iter(self.loader)
         bar = None
         if self.rank == 0 and cfg.metrics.progress_bar and sys.stderr.isatty():

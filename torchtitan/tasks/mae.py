@@ -65,7 +65,8 @@ class MAETask(TaskBase):
                                  decoder_num_heads=m.decoder_num_heads, norm_pix_loss=m.norm_pix_loss)
 
     def flops_per_sample(self, model) -> float:
-        return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
+        m = self.cfg.model
+        return training_flops_per_sample(model, (m.in_chans, *m.crop_size), mask_ratio=m.mask_ratio)
 
     def _forward(self, model, batch):
         """(pred, mask, (sum, count)) of one batch."""
