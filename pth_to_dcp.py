@@ -39,6 +39,7 @@ from torchtitan.convert import (
     save_seed_checkpoint,
     seed_checkpoint_dir,
 )
+from torchtitan.config_manager import flag_type
 from torchtitan.models import list_backbones
 from torchtitan.errors import USER_ERROR_EXIT, run_cli
 
@@ -61,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "with --torch_hub_path: convert only the files of this backbone")
     parser.add_argument("--ndim", type=int, default=2, choices=(2, 3),
                         help="2: images; 3: volumes, patch kernel inflated over depth (default: 2)")
-    parser.add_argument("--in_chans", type=int, default=1,
+    parser.add_argument("--in_chans", type=flag_type("model.in_chans"), default=1,
                         help="input channels of the target model (default: 1, grey EM)")
     parser.add_argument("--head", default=None,
                         help="names the output folder <backbone>_<head> and is recorded "
@@ -236,6 +237,9 @@ def main(argv=None) -> int:
     if args.dinov3_repo_path:
         print("note: --dinov3_repo_path is not needed (the DINOv3 architecture is built in); ignored")
     head = args.head or ("mae" if args.prefix == "encoder." else "linear")
+    if Path(args.dcp_root).exists() and not Path(args.dcp_root).is_dir():
+        raise ConversionError(f"--dcp_root {args.dcp_root} is an existing file; give a folder "
+                              "for the seed checkpoints")
     if args.torch_hub_path is not None:
         return convert_hub(args, head)
     return convert_one(args, head)

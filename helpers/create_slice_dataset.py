@@ -42,13 +42,14 @@ from helpers.plot_volumes_single import (
     all_crops,
     find_crop,
     load_sources,
-    parse_list,
+    parse_classes,
     parse_voxel_size,
 )
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import annotates
+from torchtitan.config_manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
 from helpers import script_parser
 
@@ -178,7 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--axes", default="z", type=parse_axes,
                         help="slice planes normal to these axes, e.g. z or z,y,x (default: z)")
     parser.add_argument("--classes", default=None, help="comma-separated classes (default: every annotated one)")
-    parser.add_argument("--num_proc", type=int, default=1, help="worker processes, each a share of the crops (default: 1)")
+    parser.add_argument("--num_proc", type=flag_type(type=int, min=1), default=1, help="worker processes, each a share of the crops (default: 1)")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO", help="also upload to this Hub dataset repo")
     parser.add_argument("--private", action="store_true", help="with --push_to_hub: make the repo private")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
         print(f"error: {args.zarr}: no label crops (<ds>.zarr/recon-1/labels/groundtruth/crop<N>)",
               file=sys.stderr)
         return USER_ERROR_EXIT
-    classes = parse_list(args.classes) or sorted({c for _, crop in pairs for c in crop.classes})
+    classes = parse_classes(args.classes, [crop for _, crop in pairs]) or sorted({c for _, crop in pairs for c in crop.classes})
     unknown = [c for c in classes if not any(annotates(crop, c) for _, crop in pairs)]
     if unknown:
         print(f"error: --classes {unknown} are annotated by no crop", file=sys.stderr)

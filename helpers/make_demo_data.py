@@ -18,13 +18,14 @@ from torchtitan.tools.demo_data import (
     preview_png,
     summarize_demo_data,
 )
+from torchtitan.config_manager import flag_type
 from torchtitan.errors import run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="data/demo", help="output folder (default: data/demo)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=flag_type("training.seed"), default=0, help="random seed (default: 0)")
     parser.add_argument(
         "--scale", type=float, default=1.0, help="shrink factor of the volumes, e.g. 0.4 for a tiny set (default: 1.0)"
     )

@@ -20,11 +20,12 @@ from helpers.plot_volumes_single import (
     canonical_order,
     find_crop,
     load_sources,
-    parse_list,
+    parse_classes,
     parse_voxel_size,
     read_crop_volume,
 )
 from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.config_manager import flag_type
 from torchtitan.errors import run_cli
 from torchtitan.tools.visualization import grid_frames
 
@@ -35,9 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--crops", default=None,
                         help="comma-separated crops, e.g. crop1,jrc_synth-2/crop7 (default: all)")
     parser.add_argument("--classes", default=None, help="comma-separated classes (default: all annotated)")
-    parser.add_argument("--voxel_size", default=None, help="nm, 'z,y,x' or one number (default: each EM's)")
-    parser.add_argument("--cols", type=int, default=4, help="tiles per row (default: 4)")
-    parser.add_argument("--tile_px", type=int, default=256, help="tile size in pixels (default: 256)")
+    parser.add_argument("--voxel_size", default=None, type=parse_voxel_size,
+                        help="nm, 'z,y,x' or one number (default: each EM's)")
+    parser.add_argument("--cols", type=flag_type(type=int, check=(lambda v: 1 <= v <= 64, "must be in [1, 64]")),
+                        default=4, help="tiles per row (default: 4)")
+    parser.add_argument("--tile_px", type=flag_type(type=int, check=(lambda v: 16 <= v <= 4096, "must be in [16, 4096]")),
+                        default=256, help="tile size in pixels, 16-4096 (default: 256)")
     add_gif_args(parser)
     return parser.parse_args(argv)
 
@@ -49,7 +53,7 @@ def main(argv=None) -> None:
     pairs = all_crops(sources) if names is None else [find_crop(sources, n) for n in names]
     if not pairs:
         raise DatasetError(f"no label crops under {args.data}")
-    classes = parse_list(args.classes) or canonical_order(c for _, crop in pairs for c in crop.classes)
+    classes = parse_classes(args.classes, [crop for _, crop in pairs]) or canonical_order(c for _, crop in pairs for c in crop.classes)
     voxel_size = parse_voxel_size(args.voxel_size)
 
     tiles = []

@@ -38,6 +38,8 @@ from torchtitan.datasets.cellmap import (
 )
 from torchtitan.datasets.samples import crop_grid
 from torchtitan.datasets.targets import annotates, read_target
+from torchtitan.cellmap.classes import check_class_names
+from torchtitan.config_manager import flag_type
 from torchtitan.errors import run_cli
 from torchtitan.tools.scoring import prediction_level
 from torchtitan.tools.visualization import CLASS_COLORS, comparison_frames
@@ -102,16 +104,27 @@ def parse_list(text: str | None) -> list[str] | None:
     return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
 
 
-def parse_voxel_size(text: str | None):
-    """"8" or "8,8,8" (nm, z, y, x) -> three floats; None stays None."""
-    if text is None:
-        return None
-    values = [float(v) for v in text.split(",")]
-    if len(values) == 1:
-        values *= 3
-    if len(values) != 3 or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"--voxel_size must be one or three positive numbers, got {text!r}")
-    return tuple(values)
+_VOXEL_SIZE = flag_type(type=list[float], check=(lambda v: len(v) in (1, 3) and min(v) > 0,
+                                                  "must be one or three numbers > 0, nm (z,y,x)"))
+SCALE = (lambda v: 1 <= v <= 32, "must be an integer zoom in [1, 32]")
+
+
+def parse_voxel_size(text):
+    """"8" or "8,8,8" (nm, z, y, x) -> three floats; None (and a parsed tuple) stays as it is.
+    An argparse ``type``: a bad value (no numbers, nan, <= 0) is one argparse error."""
+    if text is None or isinstance(text, tuple):
+        return text
+    values = _VOXEL_SIZE(text)
+    return tuple(values * 3 if len(values) == 1 else values)
+
+
+def parse_classes(text: str | None, crops) -> list[str] | None:
+    """``--classes`` as a list, each a CellMap class or one a crop of ``crops`` annotates (else
+    the error that training gives, with the closest name)."""
+    classes = parse_list(text)
+    if classes:
+        check_class_names(classes, {c for crop in crops for c in crop.classes}, "--classes")
+    return classes
 
 
 def read_crop_volume(source: EMSource, crop: LabelCrop, classes: list[str], voxel_size=None) -> dict:
@@ -168,9 +181,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--crop", default=None, help="crop name, e.g. crop3 or jrc_synth-1/crop3 (default: the first)")
     parser.add_argument("--classes", default=None,
                         help="comma-separated classes (default: those predicted, else all the crop annotates)")
-    parser.add_argument("--voxel_size", default=None, help="nm, 'z,y,x' or one number (default: the EM's)")
+    parser.add_argument("--voxel_size", default=None, type=parse_voxel_size,
+                        help="nm, 'z,y,x' or one number (default: the EM's)")
     parser.add_argument("--predictions", default=None, help="prediction zarr in the submission layout")
-    parser.add_argument("--scale", type=int, default=None, help="integer zoom (default: ~256 px per panel)")
+    parser.add_argument("--scale", type=flag_type(type=int, check=SCALE), default=None,
+                        help="integer zoom, 1-32 (default: ~256 px per panel)")
     add_gif_args(parser)
     return parser.parse_args(argv)
 
@@ -178,7 +193,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     source, crop = find_crop(load_sources(args.zarr), args.crop)
-    classes = parse_list(args.classes)
+    classes = parse_classes(args.classes, [crop])
     if classes is None:  # what was predicted, else everything the crop annotates
         predicted = prediction_classes(args.predictions, crop) if args.predictions else []
         classes = canonical_order(predicted or crop.classes)

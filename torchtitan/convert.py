@@ -383,8 +383,16 @@ def cast_weights(sd: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]
 def save_pth(sd: dict[str, Tensor], out: str | os.PathLike) -> Path:
     """``torch.save`` to a temporary name in the same folder, then rename."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConversionError(f"--out {out} is a folder; give the path of the .pth file to write")
     tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(sd, tmp)
-    os.replace(tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(sd, tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise ConversionError(f"--out {out} cannot be written ({e.strerror or e}); choose a "
+                              "path in a folder you can write") from None
     return out
