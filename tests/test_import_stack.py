@@ -222,6 +222,19 @@ def test_existing_dataset_is_kept_unless_overwrite_and_a_failed_import_leaves_no
     assert open_store(out, "raw")[f"{EM_GROUP}/s0"].shape[0] == 3
 
 
+def test_crop_names_stay_unique_across_the_datasets_of_a_folder(tmp_path, capsys):
+    write_images(tmp_path / "a", synthetic_em(2), ".tif")
+    write_images(tmp_path / "lab", synthetic_labels(2), ".png")
+    out = tmp_path / "data"
+    argv = ["--labels", tmp_path / "lab", "--out", out, "--voxel_size", VOXEL, *CLASS_FLAGS]
+    imported(["--em", tmp_path / "a", *argv], capsys)
+    rc, _, err = run(["--em", tmp_path / "a", "--name", "b", *argv], capsys)
+    assert rc == 2 and "--crop crop1: dataset a in" in err and "its crops: crop1" in err
+    imported(["--em", tmp_path / "a", "--name", "b", *argv, "--crop", "crop2=0-1"], capsys)
+    imported(["--em", tmp_path / "a", *argv, "--overwrite"], capsys)  # its own crops are no clash
+    assert sorted(c.name for s in cellmap.discover(out) for c in s.crops) == ["crop1", "crop2"]
+
+
 def test_anisotropic_pyramid_steps():
     assert pyramid_steps((50, 4.6, 4.6), (20, 1024, 1024)) == [
         (1, 2, 2), (1, 2, 2), (1, 2, 2), (2, 2, 2)]
@@ -295,6 +308,7 @@ BAD_INPUTS = {
     "crop_name": ([*CLASS_FLAGS, "--crop", "train=0-2"], ["--crop 'train=0-2': expected crop<N>=FIRST-LAST"]),
     "voxel_size": (["--voxel_size", "50,4"], ["--voxel_size '50,4'", "z,y,x"]),
     "name": (["--name", "../x"], ["--name '../x'"]),
+    "out_file": (["--out", __file__], ["is a file; give the folder"]),
 }
 
 

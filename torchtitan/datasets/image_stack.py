@@ -472,6 +472,24 @@ def _write_crop(store, labels: ImageStack, name: str, a: int, b: int, scale, vm:
     return summary
 
 
+def _check_crop_names_free(out: Path, name: str, crops: list[str]) -> None:
+    """Crop names must be unique across the datasets of one folder: scoring and
+    ``data.val_crops`` name crops alone."""
+    for store in sorted(out.glob("*/*.zarr")):
+        other = store.parent.name
+        if other == name or store.name != f"{other}.zarr":
+            continue
+        for crop in crops:
+            if (store / GT_GROUP / crop).is_dir():
+                taken = sorted((p.name for p in (store / GT_GROUP).iterdir() if p.is_dir()),
+                               key=lambda c: int(c[4:]) if c[4:].isdigit() else -1)
+                raise ImageStackError(
+                    f"--crop {crop}: dataset {other} in {out} has a {crop} already (its crops: "
+                    f"{', '.join(taken)}); crop names must be unique across the datasets of a "
+                    "folder (scoring and --data.val_crops name crops alone): number this stack's "
+                    "crops after them with --crop")
+
+
 DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -511,6 +529,8 @@ def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path
         raise ImageStackError(f"--instances {instances!r}: expected one of {INSTANCE_MODES}")
     out = Path(out)
     final = out / name
+    if out.exists() and not out.is_dir():
+        raise ImageStackError(f"--out {out} is a file; give the folder to write the dataset into")
     if final.exists() and not overwrite:
         raise ImageStackError(f"{final} exists already; choose another --name or --out, or pass "
                               "--overwrite to replace it")
@@ -537,6 +557,7 @@ def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path
                 "must cover the EM pixel for pixel")
         crop_list = [parse_crop(c) for c in crops] if crops else [("crop1", 0, len(em_stack) - 1)]
         check_crops(crop_list, len(em_stack))
+        _check_crop_names_free(out, name, [c[0] for c in crop_list])
         _check_value_map(value_map, label_stack.dtype)
         size = int(np.iinfo(label_stack.dtype).max) + 1
         claimed = value_map.background.table(size) | value_map.unknown.table(size)
