@@ -28,7 +28,7 @@ from torchtitan.config_manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.datasets.image_stack import natural_key
-from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
+from torchtitan.datasets.loader import build_segmentation_samples, load_em_sources, load_segmentation_data
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import read_instance_ids
 from torchtitan.errors import run_cli
@@ -188,8 +188,17 @@ def test_16bit_multipage_tiff_em_keeps_its_range_and_labels_from_a_glob(tmp_path
     # Isotropic voxels: a plain 2x pyramid.
     levels = read_multiscales(out / "em" / "em.zarr" / EM_GROUP_UINT16)
     assert [lv.scale for lv in levels] == [(8.0, 8.0, 8.0)]  # 32 pixels: one level suffices
-    (source,) = cellmap.discover(out)
+    # The loader maps the stored range onto the uint8 scale, as for CellMap's uint16 EM.
+    cfg = ConfigManager().parse_args([
+        "--job.config_file", "train_configs/debug_segmentation_2d.toml", "--data.dataset_path",
+        str(out), "--data.voxel_size", "8,8,8", "--data.classes", "pm"])
+    (source,) = load_em_sources(cfg)
     assert source.levels[0].path.endswith("fibsem-uint16/s0")
+    (crop,) = source.crops
+    origin, shape = crop_grid(crop, cfg.data.voxel_size)
+    image = CropReader([source], ["pm"], cfg.data.voxel_size).read(crop, origin, shape, raw_em=True)["image"]
+    lo, hi = float(em.min()), float(em.max())
+    np.testing.assert_allclose(image[0], np.rint((em - lo) * (255 / (hi - lo))), atol=1)
 
 
 def test_an_unlabelled_stack_is_em_only_and_trains_mae(tmp_path, capsys):
