@@ -176,13 +176,18 @@ def test_2d_instances_unknown_values_and_a_value_map_file(tmp_path, capsys):
 def test_16bit_multipage_tiff_em_keeps_its_range_and_labels_from_a_glob(tmp_path, capsys):
     em, lab = synthetic_em(4, dtype=np.uint16), synthetic_labels(4)
     write_multipage(tmp_path / "em.tif", em)
-    write_images(tmp_path / "lab", lab, ".png")
+    (tmp_path / "lab").mkdir()
+    for z, plane in enumerate(lab):  # palette images, as annotation tools save them
+        image = Image.frombytes("P", plane.shape[::-1], plane.tobytes())
+        image.putpalette([v for g in range(256) for v in (g, 255 - g, g)])
+        image.save(tmp_path / "lab" / f"{z}.png")
     (tmp_path / "lab" / "notes.txt").write_text("not an image")
     out = tmp_path / "data"
     imported(["--em", tmp_path / "em.tif", "--labels", str(tmp_path / "lab" / "*.png"), "--out", out,
               "--voxel_size", "8,8,8", *CLASS_FLAGS], capsys)
     root = open_store(out, "em")  # a file's name without its suffix
     assert EM_GROUP not in root
+    np.testing.assert_array_equal(root[f"{GT_GROUP}/crop1/ecs/s0"][:], (lab == ECS).astype(np.uint8))
     np.testing.assert_array_equal(root[f"{EM_GROUP_UINT16}/s0"][:], em)
     assert stored_intensity_range(out / "em" / "em.zarr" / EM_GROUP_UINT16) == (em.min(), em.max())
     # Isotropic voxels: a plain 2x pyramid.
@@ -270,6 +275,8 @@ def _bad(stack: Path, case: str) -> list:
         Image.fromarray(np.zeros((20, 32), np.uint8)).save(em / "02.tif")
     elif case == "dtype":
         Image.fromarray(np.zeros((24, 32), np.uint16)).save(em / "03.tif")
+    elif case == "palette":
+        Image.fromarray(np.zeros((24, 32), np.uint8)).convert("P").save(em / "02.tif")
     elif case == "rgb":
         Image.fromarray(np.zeros((24, 32, 3), np.uint8)).save(em / "01.tif")
     elif case == "empty":
@@ -294,6 +301,7 @@ BAD_INPUTS = {
     "size": ([], ["02.tif is 32 x 20 pixels", "00.tif is 32 x 24", "same size"]),
     "dtype": ([], ["03.tif is uint16", "00.tif is uint8", "one pixel type"]),
     "rgb": ([], ["01.tif", "colour image (mode RGB)", "convert('L')"]),
+    "palette": ([], ["02.tif", "palette image (mode P); EM must be greyscale"]),
     "rgb_labels": (CLASS_FLAGS, ["00.png", "colour image", "single channel"]),
     "empty": ([], ["--em", "nothing", "holds no .tif/.tiff/.png images"]),
     "glob": ([], ["*.jpg", "matches no file"]),

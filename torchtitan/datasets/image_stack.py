@@ -150,15 +150,21 @@ class ImageStack:
         return out
 
 
-def _mode_problem(mode: str, what: str) -> str:
+def _mode_problem(mode: str, what: str) -> str | None:
+    """Why sections of Pillow ``mode`` cannot be ``what`` ("--em" or "--labels"); None if they can."""
+    grey = "e.g. with Pillow: Image.open(f).convert('L').save(f)"
+    if mode in _MODES and (what != "--em" or mode not in ("P", "1")):
+        return None
+    if what == "--em" and mode in ("P", "1"):
+        kind = "palette" if mode == "P" else "bilevel"
+        return f"{kind} image (mode {mode}); EM must be greyscale: convert the sections, {grey}"
     if mode in ("RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "LA", "PA"):
         if what == "--em":
-            return (f"colour image (mode {mode}); EM must be greyscale: convert the sections, "
-                    "e.g. with Pillow: Image.open(f).convert('L').save(f)")
+            return f"colour image (mode {mode}); EM must be greyscale: convert the sections, {grey}"
         return (f"colour image (mode {mode}); label images must hold one value per pixel "
                 "(8- or 16-bit greyscale or a palette image): save each label as a single "
                 "channel of label values")
-    return (f"unsupported image mode {mode}; use 8-bit (L) or 16-bit (I;16) greyscale images")
+    return f"unsupported image mode {mode}; use 8-bit (L) or 16-bit (I;16) greyscale images"
 
 
 def open_stack(source: str | Path, what: str) -> ImageStack:
@@ -176,11 +182,8 @@ def open_stack(source: str | Path, what: str) -> ImageStack:
                     image.seek(page)
                     section = Section(file, page)
                     mode, shape = image.mode, (image.height, image.width)
-                    if mode not in _MODES or (what == "--em" and mode in ("P", "1")):
-                        problem = (_mode_problem(mode, what) if mode not in ("P", "1") else
-                                   f"{'palette' if mode == 'P' else 'bilevel'} image (mode {mode}); "
-                                   "EM must be greyscale: convert it, e.g. with Pillow: "
-                                   "Image.open(f).convert('L').save(f)")
+                    problem = _mode_problem(mode, what)
+                    if problem:
                         raise ImageStackError(f"{what}: {section}: {problem}")
                     if first is None:
                         first = (section, shape, mode)
