@@ -21,6 +21,7 @@ from helpers.plot_volumes_single import (
     find_crop,
     load_sources,
     parse_classes,
+    parse_list,
     parse_voxel_size,
     read_crop_volume,
 )
