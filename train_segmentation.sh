@@ -2,6 +2,7 @@
 # SLURM batch script: segmentation training on several nodes with torchrun (one task per node).
 #
 #   sbatch --nodes 4 train_segmentation.sh train_configs/demo_segmentation_3d.toml [--section.key value ...]
+#   sbatch train_segmentation.sh [--section.key value ...]   # its default config, train_configs/demo_segmentation_3d.toml
 #
 # Edit the #SBATCH lines (partition, account, GPUs per node, time) for your cluster.
 #SBATCH --job-name=em-seg
@@ -16,6 +17,8 @@
 # (helpers/slurm_launch.sh). Keep it above the time one step and one checkpoint save take.
 #SBATCH --signal=B:USR1@300
 
+# No config (nothing, or only overrides): the default one, the cluster-scale demo.
+case "${1:-}" in ""|--*) set -- train_configs/demo_segmentation_3d.toml "$@" ;; esac
 SCRIPT=${SCRIPT:-train_segmentation.py}
 # Under sbatch the script runs from a spool copy: find the repository from the submit folder.
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-$(dirname "$(readlink -f "$0")")}}
