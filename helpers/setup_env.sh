@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Create (once) the project's virtual environment in .venv from requirements.txt, install the
-# project into it (editable: `pip install -e .`, so `import torchtitan` works from anywhere and
-# edits take effect at once), then put the venv on PATH.
+# Create (once) the project's virtual environment in .venv from requirements.txt, which installs
+# the project into it (editable: `-e .[test]`, so `import torchtitan` works from anywhere and
+# edits take effect at once) with its dependencies, then put the venv on PATH.
 #
 #   source helpers/setup_env.sh                      # python3 must be Python >= 3.11
 #   PYTHON=python3.11 source helpers/setup_env.sh    # choose the interpreter for the venv
@@ -66,14 +66,14 @@ _em_setup_venv="${VENV:-$_em_setup_root/.venv}"
   fi
   "$PYTHON" -m venv $clear "$VENV" || fail "'$PYTHON -m venv $VENV' failed"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-  "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt" \
-    || fail "installing requirements.txt into $VENV failed (see pip's message above)"
-  # The project itself, editable; its dependencies are the ones just installed. (setuptools
-  # warns that folders named like the packages in the working directory come first: they are
-  # these very folders.)
-  PYTHONWARNINGS="ignore:Editable installation" \
-    "$VENV/bin/python" -m pip install --quiet --no-deps -e "$ROOT" \
-    || fail "installing the project (pip install -e $ROOT) into $VENV failed (see pip's message above)"
+  # requirements.txt installs the project itself, editable (`-e .[test]`, a path relative to
+  # the folder pip runs in: hence the cd), with its pinned dependencies and the test tools.
+  # (setuptools warns that folders named like the packages in the working directory come
+  # first: they are these very folders.)
+  (cd "$ROOT" && PYTHONWARNINGS="ignore:Editable installation" \
+     "$VENV/bin/python" -m pip install --quiet -r requirements.txt) \
+    || fail "installing requirements.txt (the project, editable, and its dependencies) into" \
+            "$VENV failed (see pip's message above)"
   echo "$want" > "$stamp" || fail "cannot write $stamp"
 )
 _em_setup_rc=$?
