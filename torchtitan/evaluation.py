@@ -263,7 +263,10 @@ def match_instances(rows, cols, iou, n_true: int, n_pred: int):
 
     ``rows``/``cols``/``iou`` list the nonzero entries of the IoU matrix (ids from 1). The
     overlap graph is split into connected components; a component with a single pair is a
-    match outright, larger ones are solved with the Hungarian algorithm. Returns the matched
+    match outright, larger ones are solved with the Hungarian algorithm. Where several
+    matchings reach the same total (exact ties, e.g. two predictions of equal IoU with one
+    true instance), which one is taken may differ from the challenge's solver (OR-Tools'
+    min-cost flow), and with it the collisions of ``truth_hausdorff``. Returns the matched
     true ids, predicted ids and their IoU.
     """
     keep = np.asarray(iou, dtype=np.float32) > 0
