@@ -107,8 +107,9 @@ class SegmentationTask(TaskBase):
         return self._val_cache[crop.full_name]
 
     def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
-        """Predict each rank's whole validation crops (sliding window), score them the CellMap
-        way (semantic IoU/Dice pooled over crops, instance scores per crop), and write a GIF
+        """Predict each rank's whole validation crops (sliding window), score them with the
+        CellMap challenge's 2025 metric over all ranks' crops (``evaluation.combine_scores``, what
+        the scoring command prints for the same masks: ``val/score``), and write a GIF
         of each crop's EM, ground truth and prediction to ``dump_folder/visuals`` when the task
         has a picture writer.
 
