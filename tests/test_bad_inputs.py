@@ -9,6 +9,7 @@ timeout) and every case is then checked as its own test.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 import zarr
 
 from conftest import REPO, _env
+from torchtitan.errors import UserError
 
 SEG = "train_segmentation.py"
 MAE = "train_mae.py"
@@ -190,6 +192,26 @@ CASES = [
     Case("score_no_predictions", "torchtitan/tools/scoring.py", ["--predictions", "{tmp}/none.zarr",
                                                               "--groundtruth", "{data}"],
          ["{tmp}/none.zarr"]),
+    # ---- output folders and seeds of a training run ---------------------------------------------
+    Case("dump_folder_is_a_file", SEG, ["--job.config_file", SEG2D, "--data.dataset_path", "{data}",
+                                        "--job.dump_folder", "{tmp}/run/config.toml"],
+         ["job.dump_folder {tmp}/run/config.toml is an existing file, not a folder"]),
+    Case("seed_beyond_2_64", SEG, ["--training.seed", str(2**64)],
+         [f"'training.seed' on the command line: {2**64} (must be in [0, 2^64 - 1]"]),
+    Case("seed_negative", MAE, ["--training.seed", "-1"],
+         ["'training.seed' on the command line: -1 (must be in [0, 2^64 - 1]"], slow=True),
+    Case("initial_load_of_another_backbone", SEG, [
+        "--job.config_file", SEG2D, "--data.dataset_path", "{data}", "--job.dump_folder",
+        "{tmp}/other_backbone", "--model.backbone", "vit_debug", "--training.steps", "1",
+        "--checkpoint.initial_load_path", "{run}/checkpoint"],
+         ["the checkpoint {run}/checkpoint/step-0 does not fit this model", "shape mismatches",
+          "Check model.backbone"]),
+    Case("full_load_of_another_backbone", SEG, [
+        "--job.config_file", SEG2D, "--data.dataset_path", "{data}", "--job.dump_folder",
+        "{tmp}/other_backbone_full", "--model.backbone", "vit_debug", "--training.steps", "1",
+        "--checkpoint.initial_load_path", "{run}/checkpoint",
+        "--no-checkpoint.initial_load_model_only"],
+         ["{run}/checkpoint/step-0 holds only model weights"], slow=True),
     # ---- torchrun, 2 processes: every rank stops, one message --------------------------------------
     Case("torchrun_nan_lr", SEG, ["--job.config_file", SEG2D, "--optimizer.lr", "nan"],
          ["'optimizer.lr' on the command line: nan"], nproc=2, rc=None),
@@ -265,8 +287,10 @@ def results(demo_data, tmp_path_factory, request) -> dict:
         return {"ctx": ctx, **{k: f.result() for k, f in futures.items()}}
 
 
-def test_at_least_forty_cases():
-    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+def test_at_least_eighty_cases():
+    """Bad inputs in all: the processes of CASES and the in-process calls of CALLS."""
+    ids = [c.id for c in CASES] + [c.id for c in CALLS]
+    assert len(ids) >= 80 and len(set(ids)) == len(ids)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.slow else c
@@ -331,3 +355,359 @@ def test_every_torch_load_is_weights_only():
     assert calls
     unsafe = [f"{p}: {c}" for p, c in calls if "weights_only=True" not in c]
     assert not unsafe, unsafe
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process calls: the command lines of predict.py, the scoring command, pth_to_dcp.py and the
+# helpers, given to their main(argv) in this process (the checks run at parse time or before
+# any work, so a process each would only add interpreter start-ups)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    id: str
+    entry: str  # "predict", "score", "pth_to_dcp" or "helpers.<module>"
+    args: list[str]  # filled from the context like Case.args
+    expect: list[str]  # substrings of stderr
+    rc: int = 2
+    absent: list[str] = field(default_factory=list)  # must not appear in stderr
+
+
+GT = "{data_copy}/jrc_synth-1/jrc_synth-1.zarr/recon-1/labels/groundtruth"
+RUN = ["--checkpoint", "{run}/checkpoint"]
+CROP1 = [*RUN, "--crops", "crop1"]
+FLAG = "as the config's"
+
+CALLS = [
+    # ---- predict.py: flags checked as their config twins ----------------------------------------
+    Call("predict_batch_size_negative", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--batch_size", "-1"],
+         [f"argument --batch_size: -1 (must be >= 1; {FLAG} 'inference.batch_size')"]),
+    Call("predict_batch_size_zero", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--batch_size", "0"],
+         [f"argument --batch_size: 0 (must be >= 1; {FLAG} 'inference.batch_size')"]),
+    Call("predict_batch_size_not_int", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--batch_size", "2.5"],
+         [f"argument --batch_size: '2.5' (expected int; {FLAG} 'inference.batch_size')"]),
+    Call("predict_threshold_nan", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--threshold", "nan"],
+         ["argument --threshold: nan (must be a finite number; nan and inf are not allowed; "
+          f"{FLAG} 'inference.threshold')"]),
+    Call("predict_threshold_5", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--threshold", "5"],
+         [f"argument --threshold: 5.0 (must be in [0, 1]; {FLAG} 'inference.threshold')"]),
+    Call("predict_threshold_negative", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--threshold=-0.1"],
+         [f"argument --threshold: -0.1 (must be in [0, 1]; {FLAG} 'inference.threshold')"]),
+    Call("predict_planes_unknown", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--planes", "xy"],
+         [f"argument --planes: 'xy' (allowed: 'z', 'zyx'; {FLAG} 'inference.planes')"]),
+    Call("predict_max_block_mb_zero", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--max_block_mb", "0"],
+         ["argument --max_block_mb: 0.0 (must be > 0)"]),
+    Call("predict_max_block_mb_inf", "predict", [*CROP1, "--out", "{tmp}/p.zarr", "--max_block_mb", "inf"],
+         ["argument --max_block_mb: inf (must be a finite number"]),
+    Call("predict_pyramid_levels_negative", "predict", [*CROP1, "--out", "{tmp}/p.zarr",
+                                                        "--pyramid_levels=-1"],
+         ["argument --pyramid_levels: -1 (must be 0 (automatic) or a number of levels in [1, 64])"]),
+    Call("predict_pyramid_levels_huge", "predict", [*CROP1, "--out", "{tmp}/p.zarr",
+                                                    "--pyramid_levels", "1000"],
+         ["argument --pyramid_levels: 1000 (must be 0 (automatic) or a number of levels"]),
+    Call("predict_roi_nan", "predict", [*RUN, "--dataset", "jrc_synth-1", "--roi", "0:nan,0:80,0:80",
+                                        "--out", "{tmp}/p.zarr"],
+         ["--roi '0:nan,0:80,0:80': expected 'z0:z1,y0:y1,x0:x1' in nm"]),
+    # ---- predict.py: outputs it did not create ----------------------------------------------------
+    Call("predict_out_is_a_file", "predict", [*CROP1, "--out", "{run}/config.toml"],
+         ["--out {run}/config.toml is an existing file, not a zarr store"]),
+    Call("predict_out_is_label_data", "predict", [*CROP1, "--out", GT],
+         [f"--out {GT}: lies inside the zarr store {GT[:-len('/groundtruth')]} (inside its "
+          "labels/ group: a dataset's data)", "not with --overwrite either"]),
+    Call("predict_out_is_label_data_overwrite", "predict", [*CROP1, "--out", GT, "--overwrite"],
+         [f"--out {GT}: lies inside the zarr store"]),
+    Call("predict_out_inside_em", "predict", [*CROP1, "--out", "{data_copy}/jrc_synth-1/jrc_synth-1.zarr/"
+                                                              "recon-1/em/pred.zarr"],
+         ["recon-1/em/pred.zarr: lies inside the zarr store", "(inside its em/ group"]),
+    Call("predict_out_is_a_dataset_store", "predict", [*CROP1, "--out", "{data_copy}/jrc_synth-1/"
+                                                                       "jrc_synth-1.zarr", "--overwrite"],
+         ["jrc_synth-1.zarr: is a zarr store that predict.py did not write (no "
+          "'torchtitan_prediction' attribute)"]),
+    Call("predict_out_foreign_store", "predict", [*CROP1, "--out", "{foreign}/other.zarr"],
+         ["{foreign}/other.zarr: is a zarr store that predict.py did not write"]),
+    Call("predict_out_foreign_folder", "predict", [*CROP1, "--out", "{foreign}/notes"],
+         ["{foreign}/notes: is a folder that is not a zarr store and not empty"]),
+    Call("predict_out_foreign_region", "predict", [*CROP1, "--out", "{foreign}/ours_region.zarr",
+                                                   "--overwrite"],
+         ["{foreign}/ours_region.zarr/crop1: was not written by predict.py (no prediction attributes)"]),
+    Call("predict_out_foreign_array", "predict", [*CROP1, "--out", "{foreign}/ours_array.zarr",
+                                                  "--overwrite"],
+         ["{foreign}/ours_array.zarr/crop1/mito: holds data predict.py did not write"]),
+    Call("predict_submission_is_a_dataset_store", "predict", [
+        *CROP1, "--out", "{tmp}/sub_pred.zarr", "--submission", "{data_copy}/jrc_synth-1/jrc_synth-1.zarr"],
+         ["--submission {data_copy}/jrc_synth-1/jrc_synth-1.zarr: is a zarr store that predict.py "
+          "did not write (no 'torchtitan_submission' attribute)"]),
+    Call("predict_truncated_pth", "predict", ["--checkpoint", "{pth_truncated}", "--config",
+                                              "{run}/config.toml", "--crops", "crop1",
+                                              "--out", "{tmp}/trunc.zarr"],
+         ["--checkpoint '{pth_truncated}' could not be read with torch.load",
+          "the file is truncated or not a PyTorch checkpoint"]),
+    # ---- the scoring command ---------------------------------------------------------------------
+    Call("score_out_is_a_folder", "score", ["--predictions", "{pred_good}", "--groundtruth", "{data}",
+                                            "--out", "{tmp}"],
+         ["--out {tmp} is a folder; give the path of the JSON file to write"]),
+    Call("score_voxel_size_in_um", "score", ["--predictions", "{pred_um}", "--groundtruth", "{data}"],
+         ["{pred_um}/crop1/", "is 1000x off the crop's [8.0, 8.0, 8.0] nm; voxel_size and "
+          "translation must be in nm"]),
+    Call("score_translation_in_voxels", "score", ["--predictions", "{pred_vox}", "--groundtruth",
+                                                  "{data}"],
+         ["warning: {pred_vox}/crop1/", "of its crop", "check its translation (nm, centre of voxel 0)"],
+         rc=0),
+    Call("score_misspelt_class", "score", ["--predictions", "{pred_good}", "--groundtruth", "{data}",
+                                           "--classes", "mitochondria"],
+         ["--classes: unknown class 'mitochondria': not a CellMap class"]),
+    Call("score_crops_not_numbers", "score", ["--predictions", "{pred_good}", "--groundtruth", "{data}",
+                                              "--crops", "first"],
+         ["--crops: 'first' is not a crop number"]),
+    Call("score_metric_version", "score", ["--predictions", "{pred_good}", "--groundtruth", "{data}",
+                                           "--metric-version", "2023"],
+         ["argument --metric-version/--metric_version: invalid choice: '2023'"]),
+    # ---- pth_to_dcp.py and helpers ---------------------------------------------------------------
+    Call("pth_to_dcp_in_chans_zero", "pth_to_dcp", ["--pth", "{pth}", "--in_chans", "0"],
+         [f"argument --in_chans: 0 (must be >= 1; {FLAG} 'model.in_chans')"]),
+    Call("pth_to_dcp_ndim_4", "pth_to_dcp", ["--pth", "{pth}", "--ndim", "4"],
+         ["argument --ndim: invalid choice: 4"]),
+    Call("pth_to_dcp_dcp_root_is_a_file", "pth_to_dcp", ["--pth", "{pth}", "--dcp_root",
+                                                         "{run}/config.toml"],
+         ["--dcp_root {run}/config.toml is an existing file"]),
+    Call("pth_to_dcp_truncated", "pth_to_dcp", ["--pth", "{pth_truncated}", "--dcp_root", "{tmp}/dcp_t"],
+         ["--pth '{pth_truncated}' could not be read with torch.load"]),
+    Call("dcp_to_pth_out_is_a_folder", "helpers.dcp_to_pth", ["--dcp", "{run}/checkpoint", "--out",
+                                                              "{tmp}"],
+         ["--out {tmp} is a folder; give the path of the .pth file to write"]),
+    Call("plot_single_misspelt_class", "helpers.plot_volumes_single", [
+        "--zarr", "{data}", "--classes", "mitochondria", "--out", "{tmp}/c.gif"],
+         ["--classes: unknown class 'mitochondria': not a CellMap class and annotated by no crop"]),
+    Call("plot_single_voxel_size_nan", "helpers.plot_volumes_single", [
+        "--zarr", "{data}", "--voxel_size", "8,nan,8", "--out", "{tmp}/v.gif"],
+         ["argument --voxel_size: [8.0, nan, 8.0] (must be a finite number"]),
+    Call("plot_single_voxel_size_zero", "helpers.plot_volumes_single", [
+        "--zarr", "{data}", "--voxel_size", "0", "--out", "{tmp}/v.gif"],
+         ["argument --voxel_size: [0.0] (must be one or three numbers > 0, nm (z,y,x))"]),
+    Call("plot_single_scale_huge", "helpers.plot_volumes_single", [
+        "--zarr", "{data}", "--scale", "1000", "--out", "{tmp}/s.gif"],
+         ["argument --scale: 1000 (must be an integer zoom in [1, 32])"]),
+    Call("plot_single_out_is_a_folder", "helpers.plot_volumes_single", ["--zarr", "{data}", "--out",
+                                                                       "{tmp}"],
+         ["--out {tmp} is a folder; give the path of the file to write"]),
+    Call("plot_max_frames_zero", "helpers.plot_volumes_single", [
+        "--zarr", "{data}", "--max_frames", "0", "--out", "{tmp}/m.gif"],
+         ["argument --max_frames: 0 (must be >= 1)"]),
+    Call("plot_duration_negative", "helpers.plot_volumes_grid", [
+        "--data", "{data}", "--duration_ms=-5", "--out", "{tmp}/d.gif"],
+         ["argument --duration_ms: -5 (must be in [1, 60000] ms)"]),
+    Call("plot_grid_cols_zero", "helpers.plot_volumes_grid", ["--data", "{data}", "--cols", "0",
+                                                             "--out", "{tmp}/g.gif"],
+         ["argument --cols: 0 (must be in [1, 64])"]),
+    Call("plot_grid_tile_px_huge", "helpers.plot_volumes_grid", ["--data", "{data}", "--tile_px",
+                                                                "100000", "--out", "{tmp}/g.gif"],
+         ["argument --tile_px: 100000 (must be in [16, 4096])"]),
+    Call("plot_grid_misspelt_class", "helpers.plot_volumes_grid", [
+        "--data", "{data}", "--classes", "nucleus", "--out", "{tmp}/g.gif"],
+         ["--classes: unknown class 'nucleus'"]),
+    Call("slices_num_proc_zero", "helpers.create_slice_dataset", ["--zarr", "{data}", "--out",
+                                                                  "{tmp}/sl", "--num_proc", "0"],
+         ["argument --num_proc: 0 (must be >= 1)"]),
+    Call("slices_voxel_size_inf", "helpers.create_slice_dataset", ["--zarr", "{data}", "--out",
+                                                                   "{tmp}/sl", "--voxel_size", "inf"],
+         ["argument --voxel_size: [inf] (must be a finite number"]),
+    Call("slices_misspelt_class", "helpers.create_slice_dataset", ["--zarr", "{data}", "--out",
+                                                                   "{tmp}/sl", "--classes", "mitochondria"],
+         ["--classes: unknown class 'mitochondria'"]),
+    Call("make_demo_seed_negative", "helpers.make_demo_data", ["--seed", "-3", "--out", "{tmp}/dm"],
+         [f"argument --seed: -3 (must be in [0, 2^64 - 1] (torch's seeds); {FLAG} 'training.seed')"]),
+    Call("make_demo_scale_nan", "helpers.make_demo_data", ["--scale", "nan", "--out", "{tmp}/dm"],
+         ["scale must be in [0.1, 2.0] (--scale), got nan"]),
+]
+
+
+def call_entry(entry: str, argv: list[str]) -> int:
+    """``entry``'s main(argv) as its command line runs it: a UserError is one ``error:`` line
+    (run_cli), an argparse error SystemExit(2)."""
+    import importlib
+
+    from torchtitan.errors import run_cli
+
+    if entry == "predict":
+        import predict
+
+        return predict.main(argv)
+    if entry == "score":
+        from torchtitan.evaluation import main
+
+        return main(argv)
+    module = importlib.import_module(entry)
+    return run_cli(module.main, argv)
+
+
+def _prediction_store(path: Path, crop, scale_by: float, translation_in_voxels: bool) -> str:
+    """Crop ``crop``'s ground truth written as a prediction store (the submission format: arrays
+    with voxel_size and translation), its voxel size scaled or its translation in voxels."""
+    from torchtitan.datasets.cellmap import open_array
+
+    root = zarr.open_group(str(path), mode="w", zarr_format=2)
+    for cls, levels in crop.classes.items():
+        level = levels[0]
+        data = (np.asarray(open_array(level.path)[...]) == 1).astype(np.uint8)
+        arr = root.require_group(crop.name).create_array(cls, data=data, chunks=data.shape)
+        scale, translation = np.asarray(level.scale), np.asarray(level.translation)
+        arr.attrs["voxel_size"] = (scale * scale_by).tolist()
+        arr.attrs["translation"] = (translation / scale if translation_in_voxels
+                                    else translation * scale_by).tolist()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def call_ctx(results, tmp_path_factory) -> dict:
+    """The context of the in-process calls: that of the processes, plus a copy of one dataset,
+    stores predict.py did not write, prediction stores with grid mistakes and .pth files."""
+    from torchtitan.datasets.cellmap import discover
+    from torchtitan.tools.predictor import OWNER_ATTR
+
+    ctx = dict(results["ctx"])
+    tmp = tmp_path_factory.mktemp("calls")
+    copy = tmp / "data_copy"
+    shutil.copytree(Path(ctx["data"]) / "jrc_synth-1", copy / "jrc_synth-1")
+    foreign = tmp / "foreign"
+    zarr.open_group(str(foreign / "other.zarr"), mode="w", zarr_format=2).create_array(
+        "raw", data=np.ones((4, 4, 4), np.uint8))
+    (foreign / "notes").mkdir()
+    (foreign / "notes" / "README.txt").write_text("mine\n")
+    for name in ("ours_region.zarr", "ours_array.zarr"):
+        root = zarr.open_group(str(foreign / name), mode="w", zarr_format=2)
+        root.attrs[OWNER_ATTR] = {"checkpoint": "x"}
+        region = root.require_group("crop1")
+        if name == "ours_array.zarr":
+            region.attrs[OWNER_ATTR] = True
+            region.create_array("mito", data=np.ones((4, 4, 4), np.uint8))
+        else:
+            region.create_array("raw", data=np.ones((4, 4, 4), np.uint8))
+    crop = next(c for s in discover(ctx["data"]) for c in s.crops if c.name == "crop1")
+    pth = tmp / "model.pth"
+    assert call_entry("helpers.dcp_to_pth", ["--dcp", f"{ctx['run']}/checkpoint",
+                                             "--out", str(pth)]) == 0
+    truncated = tmp / "truncated.pth"
+    truncated.write_bytes(pth.read_bytes()[: pth.stat().st_size // 3])
+    return {**ctx, "tmp": str(tmp), "data_copy": str(copy), "foreign": str(foreign),
+            "pth": str(pth), "pth_truncated": str(truncated),
+            "pred_good": _prediction_store(tmp / "good.zarr", crop, 1.0, False),
+            "pred_um": _prediction_store(tmp / "um.zarr", crop, 1e-3, False),
+            "pred_vox": _prediction_store(tmp / "vox.zarr", crop, 1.0, True)}
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder``."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("call", CALLS, ids=[c.id for c in CALLS])
+def test_bad_call(call: Call, call_ctx, capsys):
+    """One ``error:`` line naming the value (exit 2), no traceback; nothing written: the data
+    copy and the foreign stores hold the same bytes afterwards."""
+    data_copy, foreign = Path(call_ctx["data_copy"]), Path(call_ctx["foreign"])
+    before = tree_digest(data_copy), tree_digest(foreign)
+    capsys.readouterr()
+    try:
+        rc = call_entry(call.entry, [fill(a, call_ctx) for a in call.args])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == call.rc, err[-3000:]
+    for text in call.expect:
+        assert fill(text, call_ctx) in err, err[-3000:]
+    assert "Traceback" not in err
+    errors = re.findall(r"(?:^|: )error( \(rank \d+\))?: ", err, re.M)
+    assert len(errors) == (1 if call.rc else 0), err[-3000:]
+    assert (tree_digest(data_copy), tree_digest(foreign)) == before
+
+
+def test_predict_never_writes_into_label_data(call_ctx, capsys):
+    """predict.py pointed at a dataset's ground truth (with and without --overwrite), its EM
+    group or the dataset store itself refuses, and every label and EM file keeps its bytes."""
+    store = Path(call_ctx["data_copy"]) / "jrc_synth-1" / "jrc_synth-1.zarr"
+    before = tree_digest(store)
+    assert any("labels/groundtruth/crop1/mito/s0" in k for k in before)
+    for out, extra in ((store / "recon-1/labels/groundtruth", []),
+                       (store / "recon-1/labels/groundtruth", ["--overwrite"]),
+                       (store / "recon-1/labels/groundtruth/crop1", ["--overwrite"]),
+                       (store / "recon-1/em/fibsem-uint8", ["--overwrite"]),
+                       (store, ["--overwrite"])):
+        rc = call_entry("predict", ["--checkpoint", f"{call_ctx['run']}/checkpoint",
+                                    "--data", call_ctx["data_copy"], "--crops", "crop1",
+                                    "--out", str(out), *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"--out {out}" in err, err[-3000:]
+        assert "did not write" in err or "lies inside" in err, err[-3000:]
+    assert tree_digest(store) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# A second run into the dump folder of a live one
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nproc", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_second_run_into_a_live_runs_folder_stops(demo_data, tmp_path, nproc):
+    """The first run trains (under torchrun: its two ranks share the lock); frozen with SIGSTOP
+    once it has a checkpoint and logs, it is a live holder whose files cannot change. A second
+    run into its folder (another seed) exits 2 naming it, and leaves every file as it was."""
+    import json
+    import os
+    import signal
+    import socket
+    import time
+
+    from torchtitan.checkpoint import complete_steps
+
+    dump = tmp_path / "run"
+    common = ["--job.config_file", SEG2D, "--data.dataset_path", str(demo_data),
+              "--job.dump_folder", str(dump), "--no-metrics.progress_bar"]
+    first_case = Case("first", SEG, [], [], nproc=nproc)
+    first = subprocess.Popen(command(first_case) + common + [
+        "--training.steps", "1000", "--checkpoint.interval", "1", "--metrics.log_freq", "1",
+        "--metrics.eval_freq", "0"], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT * 2
+        while not (complete_steps(dump / "checkpoint") and (dump / "logs" / "metrics.jsonl").is_file()):
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        os.killpg(first.pid, signal.SIGSTOP)
+        holder = json.loads((dump / "run.lock").read_text())
+        launcher = first.pid  # python itself, or torchrun's agent (the workers' parent)
+        before = tree_digest(dump)
+        second = subprocess.run(command(first_case) + common + ["--training.seed", "1"], cwd=REPO,
+                                env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        assert second.returncode != 0 and (nproc or second.returncode == 2), second.stderr[-3000:]
+        assert (f"error: job.dump_folder {dump} is in use by another run (host "
+                f"{socket.gethostname()}, PID {launcher}, started {holder['started']}; lock file "
+                f"{dump}/run.lock)") in second.stderr, second.stderr[-3000:]
+        assert tree_digest(dump) == before
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folders_are_named(call_ctx, tmp_path, capsys):
+    """predict.py --out and a training's job.dump_folder in a folder the user cannot write."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        rc = call_entry("predict", [fill(a, call_ctx) for a in RUN]
+                        + ["--crops", "crop1", "--out", str(locked / "p.zarr")])
+        assert rc == 2
+        assert f"--out {locked / 'p.zarr'}: {locked} is not writable" in capsys.readouterr().err
+        from torchtitan.run_lock import DumpFolderLock
+
+        with pytest.raises(UserError, match=f"job.dump_folder {locked / 'run'} cannot be written"):
+            DumpFolderLock(locked / "run", 0, 5).acquire()
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)

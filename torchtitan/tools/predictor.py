@@ -345,6 +345,10 @@ def check_output_store(out: str, regions: list[str], flag: str = "--out",
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {out} is an existing file, not a zarr store; give a new path "
                           f"(a folder, e.g. {path.with_suffix('.zarr')})")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"{flag} {out}: {existing} is not writable; choose a path in a folder "
+                          "you can write")
     store = _inside_store(path)
     if store is not None:
         inner = path.resolve().relative_to(store).parts
