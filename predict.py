@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output zarr (created or updated)")
     p.add_argument("--overwrite", action="store_true",
                    help="predict regions again that --out already holds finished (default: "
-                        "refuse; unfinished regions of an interrupted run are redone anyway)")
+                        "refuse; unfinished regions of an interrupted run are redone anyway). "
+                        "Only stores predict.py wrote are ever written into")
     p.add_argument("--probabilities", action="store_true", help="write float32 probabilities")
     p.add_argument("--threshold", type=flag_type("inference.threshold"), default=None,
                    help="mask threshold (default: the run's inference.threshold)")

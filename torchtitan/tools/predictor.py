@@ -33,6 +33,14 @@ some regions of the output are finished and others are not (an interrupted run),
 resumes: finished regions are kept and skipped, an unfinished region is predicted again from
 its start (blocks carry no record of their own, so a partial region is restarted cleanly).
 
+Ownership: predict.py writes only into stores it created. The root and every region and class
+group it creates carry ``torchtitan_prediction`` before anything is written into them; an
+``--out`` that is an existing file, lies inside another zarr store (a dataset's ``em/`` or
+``labels/`` groups), is a non-empty folder or a zarr store without that attribute, or whose
+region or class groups lack it, is refused before any work, naming the path, with
+``--overwrite`` too (:func:`check_output_store`). ``--submission`` likewise replaces only a
+submission it wrote (``torchtitan_submission`` on its root).
+
 Crop manifest (``--manifest FILE``): the boxes to predict where no labels exist (e.g. the
 challenge's test crops). A CSV file with a header line and these columns (any order; other
 columns are ignored)::
