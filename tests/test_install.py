@@ -88,6 +88,7 @@ def test_requirements_alone_make_every_helper_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the install alone takes 10-15 minutes on 2 busy cores
 def test_a_fresh_venv_from_the_registry_runs_the_documented_commands(tmp_path, demo_data):
     """A venv with nothing in it, `pip install -r requirements.txt` from the package registry
     (minutes), then the helpers, the entry scripts and a short training run."""
