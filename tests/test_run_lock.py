@@ -162,3 +162,13 @@ def test_a_file_as_dump_folder_is_refused(tmp_path):
     (tmp_path / "out").write_text("x")
     with pytest.raises(ConfigError, match="is an existing file, not a folder"):
         DumpFolderLock(tmp_path / "out", 0, 5).acquire()
+
+
+def test_an_unreadable_lock_is_replaced_with_a_warning(tmp_path, caplog):
+    (tmp_path / LOCK_NAME).write_text("")
+    lock = DumpFolderLock(tmp_path, 0, 5)
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        lock.acquire()
+    assert f"replacing the unreadable lock file {tmp_path / LOCK_NAME}" in caplog.text
+    assert lock_names_me(tmp_path)
+    lock.release()

@@ -188,13 +188,18 @@ class DumpFolderLock:
     def _take(self) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            for _ in range(20):
+            for attempt in range(20):
                 if self._write(exclusive=True):
                     return
                 holder = self.read()
-                if holder is None:  # removed meanwhile, or unreadable: look again
+                if holder is None and attempt < 10:  # removed meanwhile: look again
                     time.sleep(0.05)
                     continue
+                if holder is None:  # still there, and not a lock of ours: nobody holds it
+                    logger.warning("job.dump_folder %s: replacing the unreadable lock file %s",
+                                   self.folder, self.path)
+                    self._write(exclusive=False)
+                    return
                 if holder.same_run(self.me):
                     self._write(exclusive=False)
                     return
