@@ -606,3 +606,13 @@ def test_module_imports_nothing_of_ours():
                     "torchtitan.config_manager"}
     outside_stdlib = {name.split(".")[0] for name in imported - ours} - set(sys.stdlib_module_names)
     assert outside_stdlib == {"tomli_w"}
+
+
+def test_head_image_levels_is_checked_against_the_head_and_patch():
+    assert parse("--model.head", "multiscale", "--model.patch_size", "8",
+                 "--model.head_image_levels", "4").model.head_image_levels == 4
+    msg = parse_error("--model.head", "multiscale", "--model.patch_size", "8",
+                      "--model.head_image_levels", "5")
+    assert "'model.head_image_levels' = 5 goes past the patch grid" in msg and "use 1..4" in msg
+    msg = parse_error("--model.head", "linear", "--model.head_image_levels", "2")
+    assert "applies to the 'upconv' and 'multiscale' heads, not 'linear'" in msg

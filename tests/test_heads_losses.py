@@ -347,3 +347,29 @@ def test_task_builds_model_and_loss_from_config(loss):
     expected = build_loss(loss, torch.tensor([1.0, 2.0]))(model(batch.image).float(), target, valid)
     torch.testing.assert_close(total, expected[0])
     assert count == expected[1] and count > 0
+
+
+def test_head_image_levels_reach_the_patch_grid():
+    """``head_image_levels`` = log2(patch) + 1 encodes the image down to the patch grid (a
+    U-Net encoder of 16, 32, 64, ... channels beside the ViT) and fuses each level; 0 keeps
+    the head's own levels."""
+    torch.manual_seed(0)
+    full = seg_model(2, "multiscale", head_image_levels=4)  # patch 8: 1, 1/2, 1/4, 1/8
+    assert full.head.image_levels == 4
+    assert [d[0].out_channels for d in full.head.down] == [32, 64, 128]
+    assert seg_model(2, "multiscale").head.image_levels == 3
+    assert seg_model(2, "upconv").head.image_levels == 1
+    x = torch.randn(2, 1, 32, 48)
+    logits = full(x)
+    assert logits.shape == (2, 3, 32, 48)
+    logits.square().mean().backward()
+    assert all(p.grad is not None for p in full.head.down[2].parameters())
+
+
+def test_task_passes_head_image_levels():
+    cfg = JobConfig()
+    cfg.data.classes = ["mito"]
+    m = cfg.model
+    m.backbone, m.patch_size, m.crop_size = "vit_debug", 8, [16, 16]
+    m.head, m.head_image_levels = "multiscale", 4
+    assert SegmentationTask(cfg).build_model().head.image_levels == 4

@@ -49,6 +49,19 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
             f"'model.crop_size' = {model.crop_size} is not a multiple of 'model.patch_size' "
             f"= {model.patch_size} (offending sizes: {not_multiple})"
         )
+    if model.head_image_levels:
+        most = model.patch_size.bit_length()  # log2(patch_size) + 1 for a power of two
+        if model.head not in ("upconv", "multiscale"):
+            problems.append(
+                f"'model.head_image_levels' = {model.head_image_levels} applies to the "
+                f"'upconv' and 'multiscale' heads, not '{model.head}'; set it to 0 or change "
+                "'model.head'")
+        elif model.head_image_levels > most:
+            problems.append(
+                f"'model.head_image_levels' = {model.head_image_levels} goes past the patch "
+                f"grid: with 'model.patch_size' = {model.patch_size} the image can be fused "
+                f"at most at {most} resolutions (full size down to 1/{model.patch_size}); "
+                f"use 1..{most}")
     if model.decoder_dim % model.decoder_num_heads:
         problems.append(
             f"'model.decoder_dim' = {model.decoder_dim} is not divisible by "
@@ -160,7 +173,7 @@ def validate(config: JobConfig) -> None:
 MODEL_SHAPING_KEYS: dict[str, tuple[str, ...]] = {
     "segmentation": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
                      "data.classes", "model.head", "model.head_channels",
-                     "model.backbone_out_layers"),
+                     "model.head_image_levels", "model.backbone_out_layers"),
     "mae": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
             "model.decoder_dim", "model.decoder_depth", "model.decoder_num_heads"),
 }

@@ -434,6 +434,12 @@ class Model:
     )
     head_channels: int = opt(
         64, "Segmentation 'upconv' and 'multiscale' heads: channels of the first stage.", min=1)
+    head_image_levels: int = opt(
+        0, "Segmentation 'upconv' and 'multiscale' heads: resolutions at which the input "
+        "image is encoded by convolutions and fused into the decoder: 1 = full resolution, "
+        "2 = also 1/2, ... up to log2(patch_size) + 1 (down to the patch grid, where the "
+        "convolutional features join the ViT's: a U-Net encoder beside the ViT); 0 = the "
+        "head's own (upconv 1, multiscale 3).", min=0)
     loss: str = opt(
         "bce",
         "Segmentation loss: per-class 'bce', soft 'dice', 'bce_dice' (multi-label, per-class "

@@ -37,7 +37,7 @@ from .vit import DinoVisionTransformer
 
 OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
 HEADS = ("linear", "upconv", "multiscale")
-# Image levels (full resolution, 1/2, 1/4, ...) that the convolutional heads fuse.
+# Image levels (full resolution, 1/2, 1/4, ...) that the convolutional heads fuse by default.
 _IMAGE_LEVELS = {"upconv": 1, "multiscale": 3}
 
 # FLOPs per multiply-accumulate, as in flops.py (which imports this module): 2 in the forward
@@ -266,7 +266,8 @@ class SegmentationModel(nn.Module):
     """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
 
     ``head``: "linear", "upconv" or "multiscale" (``head_channels`` sets the width of the
-    convolutional heads).
+    convolutional heads; ``head_image_levels`` the number of resolutions at which they encode
+    and fuse the input image, 0 for the head's own: 1 for "upconv", 3 for "multiscale").
     ``freeze_backbone``: train only the head. The backbone's parameters stop requiring
     gradients (the optimizer skips them), its forward runs under ``torch.no_grad`` (no
     activations kept for backward) and it stays in eval mode (no stochastic depth), as in
@@ -280,6 +281,7 @@ class SegmentationModel(nn.Module):
         head: str = "linear",
         out_layers: str | Sequence[int] = "four_even_intervals",
         head_channels: int = 64,
+        head_image_levels: int = 0,
         freeze_backbone: bool = False,
         dropout: float = 0.0,
     ):
@@ -297,7 +299,7 @@ class SegmentationModel(nn.Module):
         else:
             self.head = UpConvHead(
                 self.ndim, in_channels, num_classes, backbone.patch_size, backbone.in_chans,
-                channels=head_channels, dropout=dropout, image_levels=_IMAGE_LEVELS[head],
+                channels=head_channels, dropout=dropout, image_levels=head_image_levels or _IMAGE_LEVELS[head],
             )
         if not next(self.head.parameters()).is_meta:  # on meta, init_weights runs after to_empty
             self.head.init_weights()
