@@ -76,16 +76,18 @@ def _signal_the_batch_script(tmp_path: Path, script: str, config: str, data: Pat
             "--training.steps", str(steps), "--metrics.log_freq", "1",
             "--checkpoint.interval", "1000", "--checkpoint.keep_latest_k", "0",
             "--no-metrics.progress_bar"]
+    # Its own session, so that a failing test can stop the whole job (srun, torchrun, workers).
     proc = subprocess.Popen(["bash", str(REPO / script), config, *args], cwd=tmp_path,
                             env=_batch_env(bin_dir, tmp_path, gpus), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for_step(dump, 2, proc)
+        _wait_for_step(dump, 2, proc, timeout=600)
         os.kill(proc.pid, sig)  # the batch shell: SLURM's B: signal target
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     name = signal.Signals(sig).name
     assert proc.returncode == 0, out[-3000:] + err[-4000:]
     assert f"received {name}: forwarding it to the training processes" in out
@@ -103,6 +105,7 @@ def _signal_the_batch_script(tmp_path: Path, script: str, config: str, data: Pat
     assert f"scontrol requeue {JOB_ID}" in out
 
 
+@pytest.mark.timeout(1500)
 def test_sigusr1_to_the_segmentation_batch_script_saves_and_requeues(demo_data, tmp_path):
     _signal_the_batch_script(tmp_path, "train_segmentation.sh",
                              "train_configs/debug_segmentation_2d.toml", demo_data,
@@ -110,12 +113,14 @@ def test_sigusr1_to_the_segmentation_batch_script_saves_and_requeues(demo_data, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_sigterm_to_the_mae_batch_script_saves_and_requeues(demo_data, tmp_path):
     _signal_the_batch_script(tmp_path, "train_mae.sh", "train_configs/debug_mae_2d.toml",
                              demo_data, signal.SIGTERM, gpus=2)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_sigusr1_to_the_mae_batch_script_on_two_processes(demo_data, tmp_path):
     _signal_the_batch_script(tmp_path, "train_mae.sh", "train_configs/debug_mae_3d.toml",
                              demo_data, signal.SIGUSR1, gpus=2)
