@@ -43,9 +43,11 @@ def _stand_ins(bin_dir: Path, srun: str | None = None) -> Path:
 
 
 def _batch_env(bin_dir: Path, tmp_path: Path, gpus: int) -> dict:
+    """SLURM's variables for job 4242; torchrun gives the workers up to 10 minutes to finish
+    their step and save after the signal (a busy shared machine takes a minute a step)."""
     env = _env()
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID=JOB_ID, GPUS_PER_NODE=str(gpus),
-               REPO=str(REPO), MAX_RESTARTS="0", SHUTDOWN_TIMEOUT="120",
+               REPO=str(REPO), MAX_RESTARTS="0", SHUTDOWN_TIMEOUT="600",
                RDZV_PORT=str(29500 + os.getpid() % 400),
                TORCHTITAN_REQUEUE_FILE=str(tmp_path / f"requeue-{JOB_ID}"))
     return env
