@@ -677,7 +677,11 @@ def test_second_run_into_a_live_runs_folder_stops(demo_data, tmp_path, nproc):
             assert first.poll() is None, first.stderr.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        os.killpg(first.pid, signal.SIGSTOP)
+        # torchrun starts its workers in sessions of their own: stop each of them too.
+        frozen = [first.pid] + [int(p) for p in subprocess.run(
+            ["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
         holder = json.loads((dump / "run.lock").read_text())
         launcher = first.pid  # python itself, or torchrun's agent (the workers' parent)
         before = tree_digest(dump)
@@ -689,6 +693,9 @@ def test_second_run_into_a_live_runs_folder_stops(demo_data, tmp_path, nproc):
                 f"{dump}/run.lock)") in second.stderr, second.stderr[-3000:]
         assert tree_digest(dump) == before
     finally:
+        for pid in [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)],
+                                                   capture_output=True, text=True).stdout.split()]:
+            os.kill(pid, signal.SIGKILL)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
 
