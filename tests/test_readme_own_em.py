@@ -11,6 +11,7 @@ trained model, a prediction store of the held-out crop, its scores and a viewer 
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -121,6 +122,11 @@ def test_your_own_em_commands_run_as_written(tmp_path):
     assert any((tmp_path / "outputs/mine/checkpoint").glob("step-*"))
     for cls in ("pm", "mito", "ecs"):
         assert (tmp_path / "outputs/mine/pred.zarr/crop2" / cls / "s0").is_dir()
+    # The viewer pyramid of thin sections halves y and x only (50 x 4.6 x 4.6 nm voxels).
+    ms = json.loads((tmp_path / "outputs/mine/pred.zarr/crop2/mito/.zattrs").read_text())
+    scales = [next(t["scale"] for t in d["coordinateTransformations"] if t["type"] == "scale")
+              for d in ms["multiscales"][0]["datasets"]]
+    assert scales[:3] == [[50.0, 4.6, 4.6], [50.0, 9.2, 9.2], [50.0, 18.4, 18.4]]
     assert "overall score" in log
     links = [unquote(line) for line in log.splitlines() if line.startswith("https://")]
     assert links and "http://localhost:8000/outputs/mine/pred.zarr/crop2/mito" in links[0]

@@ -80,6 +80,7 @@ from torchtitan.cellmap.ome_ngff import (
     VIEW_CHUNKS,
     auto_pyramid_levels,
     create_multiscale_group,
+    pyramid_steps,
     write_pyramid,
 )
 from torchtitan.checkpoint import CheckpointError, complete_steps, load_model_weights
@@ -420,12 +421,18 @@ def view_chunking(block, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return block, chunks
 
 
-def write_pyramids(root, region: Region, classes: list[str], method: str, levels: int) -> None:
-    """Levels s1.. of every class group of a finished region (:func:`write_pyramid`)."""
+def write_pyramids(root, region: Region, classes: list[str], method: str, levels: int,
+                   voxel_size) -> None:
+    """Levels s1.. of every class group of a finished region (:func:`write_pyramid`), halving
+    the finer axes of anisotropic voxels first (:func:`pyramid_steps`: thin sections keep their
+    z until y and x approach it)."""
     for cls in classes:
         group = root[f"{region.name}/{cls}"]
-        n = levels or auto_pyramid_levels(group["s0"].shape)
-        write_pyramid(group, n, "mode" if group["s0"].dtype.kind in "iub" else method)
+        shape = group["s0"].shape
+        wanted = levels or auto_pyramid_levels(shape)
+        steps = pyramid_steps(voxel_size, shape, coarsest_side=1, max_levels=wanted)
+        write_pyramid(group, len(steps) + 1, "mode" if group["s0"].dtype.kind in "iub" else method,
+                      steps=steps)
 
 
 def _write_group(root, region: Region, cls: str, voxel_size, dtype, chunks):
@@ -585,7 +592,7 @@ def predict_regions(args) -> list[str]:
             _postprocess_masks(root, region, classes, v, chunks, post, args.instances)
         if rank == 0:  # viewer levels, from the finished s0 (masks and ids: mode)
             write_pyramids(root, region, classes, "mean" if args.probabilities else "mode",
-                           getattr(args, "pyramid_levels", 0))
+                           getattr(args, "pyramid_levels", 0), v)
         if rank == 0:  # after every rank's blocks (barrier above) and the instances
             root.require_group(region.name).attrs[COMPLETE_ATTR] = True
         written.append(f"{args.out}/{region.name}")
