@@ -531,13 +531,11 @@ def overall_scores(semantic_ious, instance_scores_) -> dict:
 def pool_instance_scores(entries: list[dict]) -> dict:
     """One instance class over crops, the 2025 way: instance TP/FP/FN pooled into F1, the
     normalised distances pooled into their mean, score = sqrt(F1 x mean). A class with no
-    instance and no distance anywhere scores 1 (F1, mean and score), unless a crop of it was
-    skipped for too many predicted instances: nothing was matched there, so it scores 0."""
+    instance and no distance anywhere scores 1 (F1, mean and score)."""
     tp, fp, fn = (sum(e[f"instance_{k}"] for e in entries) for k in ("tp", "fp", "fn"))
     norm_sum = sum(e["hausdorff_norm_sum"] for e in entries)
     count = sum(e["n_hausdorff"] for e in entries)
-    skipped = any(e.get("status", "scored") != "scored" for e in entries)
-    if 2 * tp + fp + fn == 0 and count == 0 and not skipped:
+    if 2 * tp + fp + fn == 0 and count == 0:
         f1 = normalized = 1.0
     else:
         f1 = 2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else 0.0
