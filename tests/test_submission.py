@@ -335,7 +335,7 @@ def test_instance_2025_split_object_and_overall():
     assert old["score"] == pytest.approx(math.sqrt((1 - 32 / 512) * 1.01 ** (-16.0 / diag)))
 
 
-def test_instance_2025_nothing_anywhere_is_perfect_and_too_many_instances_is_skipped():
+def test_instance_2025_nothing_anywhere_is_perfect_and_too_many_instances_is_skipped(caplog):
     from torchtitan.evaluation import ratio_cutoff as ratio_cutoff_2025
     from torchtitan.scoring import combine_challenge_scores, score_label
 
@@ -352,6 +352,10 @@ def test_instance_2025_nothing_anywhere_is_perfect_and_too_many_instances_is_ski
     s = score_label(pred, truth, np.ones(truth.shape, bool), v, "ves", "2025")
     assert s["status"] == "skipped_too_many_instances" and s["n_hausdorff"] == 0
     assert (s["instance_tp"], s["instance_fp"], s["instance_fn"]) == (0, 0, 0)
+    # As on the leaderboard the skipped crop adds nothing to its class, and the log says so.
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        combine_challenge_scores([{"classes": {"ves": s}}], "2025")
+    assert "1 crop(s) not scored as instances: more predicted objects than" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ prediction store with the challenge's metric (current or previous version,
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -535,6 +536,14 @@ def pool_instance_scores(entries: list[dict]) -> dict:
     tp, fp, fn = (sum(e[f"instance_{k}"] for e in entries) for k in ("tp", "fp", "fn"))
     norm_sum = sum(e["hausdorff_norm_sum"] for e in entries)
     count = sum(e["n_hausdorff"] for e in entries)
+    skipped = sum(e.get("status") == "skipped_too_many_instances" for e in entries)
+    if skipped:
+        # The challenge leaves such crops out of the pool, which can leave a class with nothing
+        # in it and a perfect score: say so, so that a broken prediction is not read as perfect.
+        logging.getLogger("torchtitan").warning(
+            "%d crop(s) not scored as instances: more predicted objects than the challenge's "
+            "cutoff per true object (ratio_cutoff); they add nothing to the class's pooled "
+            "instance score, as on the leaderboard", skipped)
     if 2 * tp + fp + fn == 0 and count == 0:
         f1 = normalized = 1.0
     else:
