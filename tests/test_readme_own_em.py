@@ -108,7 +108,8 @@ def test_section_has_the_commands_it_promises():
 
 @pytest.mark.distributed
 def test_your_own_em_commands_run_as_written(tmp_path):
-    write_stack(tmp_path / "my_stack")
+    # Sections as large as the shipped config's crop (256 x 256), which needs whole samples.
+    write_stack(tmp_path / "my_stack", side=256)
     outputs = []
     for written, argv in section_commands():
         r = subprocess.run(runnable(argv), cwd=tmp_path, env=_env(), capture_output=True,
