@@ -6,10 +6,12 @@ statement is resolved to the modules of ours it names, wherever it stands (insid
 or an ``if TYPE_CHECKING`` block too: a lazy import is still an import). Then:
 
 * the core (every module outside ``torchtitan/tools/``) imports no tool;
-* the CellMap domain (``torchtitan/cellmap/``, floor 2) imports nothing of ours above it
-  (floor 1: the config modules and ``errors``);
+* ``errors`` (the ground floor: ``UserError`` and how entry points show it) imports nothing
+  of ours;
+* the CellMap domain (``torchtitan/cellmap/``, floor 2) imports nothing of ours but
+  ``errors`` (not the config schema);
 * the config (``config_manager`` and the ``config_*`` modules it is built from, floor 1)
-  imports nothing of ours but itself;
+  imports nothing of ours but itself and ``errors``;
 * more generally, no module imports a module on a floor above its own (``FLOORS``), and on
   floor 3 models and datasets know nothing of each other.
 
@@ -129,7 +131,7 @@ def core_importing_tools(graph: dict[str, set[str]], package: str = PACKAGE) -> 
 # ---------------------------------------------------------------------------------------------
 
 CONFIG = f"{PACKAGE}.config_*"  # config_manager and the config_* modules behind it
-FLOOR_1 = (CONFIG, f"{PACKAGE}.errors")
+ERRORS = f"{PACKAGE}.errors"  # the ground floor
 
 
 @pytest.fixture(scope="module")
@@ -151,24 +153,30 @@ def test_the_core_imports_no_tool(graph):
     assert core_importing_tools(graph) == {}
 
 
+def test_errors_import_nothing_of_ours(graph):
+    """The ground floor: every floor may raise a ``UserError``, so ``errors`` asks no one."""
+    assert ERRORS in graph
+    assert violations(graph, ERRORS, ()) == {}
+
+
 def test_the_domain_imports_nothing_above_it(graph):
     """Floor 2: every other floor may ask the domain (``torchtitan.cellmap``); it asks none
-    of them, only floor 1."""
-    assert violations(graph, f"{PACKAGE}.cellmap", FLOOR_1) == {}
+    of them, only the errors (not the config schema)."""
+    assert violations(graph, f"{PACKAGE}.cellmap", (ERRORS,)) == {}
 
 
 def test_config_imports_nothing_of_ours(graph):
     """Floor 1: the config (``config_manager`` and the ``config_*`` modules it is built from)
-    imports nothing of ours but itself."""
+    imports nothing of ours but itself and the errors."""
     assert f"{PACKAGE}.config_manager" in graph
-    assert violations(graph, CONFIG, ()) == {}
+    assert violations(graph, CONFIG, (ERRORS,)) == {}
 
 
 # Every module of ours on its floor (DESIGN.md, "Floors"), by the first prefix here that holds
 # it. A new top-level module or package gets a line here.
 FLOORS = {
     CONFIG: 1,
-    f"{PACKAGE}.errors": 1,
+    ERRORS: 0,
     f"{PACKAGE}.cellmap": 2,
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.datasets": 3,
@@ -177,6 +185,7 @@ FLOORS = {
     f"{PACKAGE}.scoring": 3,  # scoring prediction stores (python -m torchtitan.evaluation)
     f"{PACKAGE}.parallelisms": 4,
     f"{PACKAGE}.checkpoint": 4,
+    f"{PACKAGE}.launch_history": 4,  # a run's resolved configs, resume check (beside checkpoint)
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.metrics": 4,
     f"{PACKAGE}.inference": 4,
@@ -238,8 +247,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
 CLEAN = {
     "torchtitan/__init__.py": "",
     "torchtitan/config_manager.py": "import os\nfrom .config_parsing import parse\n",
-    "torchtitan/config_parsing.py": "import tomllib\n",
-    "torchtitan/errors.py": "from torchtitan.config_manager import os\n",
+    "torchtitan/config_parsing.py": "import tomllib\nfrom torchtitan.errors import E\n",
+    "torchtitan/errors.py": "import sys\n",
     "torchtitan/cellmap/__init__.py": "from .labels import rule\n",
     "torchtitan/cellmap/labels.py": "from torchtitan.errors import os\nrule = 1\n",
     "torchtitan/evaluation.py": "from torchtitan.cellmap.labels import rule\n",
@@ -260,8 +269,9 @@ def test_walker_resolves_absolute_relative_and_from_package_imports(tmp_path):
     assert g["torchtitan.tools.pictures"] == {"torchtitan.tasks", "torchtitan.tasks.seg"}
     assert g["torchtitan.config_manager"] == {"torchtitan.config_parsing"}
     assert core_importing_tools(g) == {}
-    assert violations(g, "torchtitan.cellmap", FLOOR_1) == {}
-    assert violations(g, CONFIG, ()) == {}
+    assert violations(g, ERRORS, ()) == {}
+    assert violations(g, "torchtitan.cellmap", (ERRORS,)) == {}
+    assert violations(g, CONFIG, (ERRORS,)) == {}
     assert upward_imports(g) == []
 
 
@@ -286,18 +296,23 @@ def test_upward_imports_are_found(tmp_path):
     ("torchtitan/cellmap/labels.py", "from torchtitan.evaluation import x\n", "cellmap"),
     ("torchtitan/cellmap/labels.py", "from .. import evaluation\n", "cellmap"),
     ("torchtitan/cellmap/__init__.py", "from ..tasks.seg import x\n", "cellmap"),
-    # The config importing anything of ours.
-    ("torchtitan/config_manager.py", "from torchtitan.errors import x\n", "config"),
+    ("torchtitan/cellmap/labels.py", "from torchtitan.config_manager import x\n", "cellmap"),
+    # The config importing anything of ours but the errors.
+    ("torchtitan/config_manager.py", "from torchtitan.cellmap import x\n", "config"),
     ("torchtitan/config_manager.py", "from . import cellmap\n", "config"),
-    ("torchtitan/config_parsing.py", "import torchtitan.errors\n", "config"),
+    ("torchtitan/config_parsing.py", "import torchtitan.evaluation\n", "config"),
+    # The errors importing anything of ours.
+    ("torchtitan/errors.py", "from torchtitan.config_manager import x\n", "errors"),
+    ("torchtitan/errors.py", "from . import cellmap\n", "errors"),
 ])
 def test_each_rule_fails_on_a_forbidden_import(tmp_path, path, source, rule):
     _write(tmp_path, {**CLEAN, path: source})
     g = import_graph(tmp_path)
     found = {
         "tools": core_importing_tools(g),
-        "cellmap": violations(g, "torchtitan.cellmap", FLOOR_1),
-        "config": violations(g, CONFIG, ()),
+        "errors": violations(g, ERRORS, ()),
+        "cellmap": violations(g, "torchtitan.cellmap", (ERRORS,)),
+        "config": violations(g, CONFIG, (ERRORS,)),
     }
     assert found[rule], f"{rule} rule missed {source!r} in {path}"
     assert module_name(tmp_path / path, tmp_path) in found[rule]

@@ -391,7 +391,8 @@ def _config_keys() -> dict[str, type]:
 
 
 def _config_problems(args: list[str]) -> list[str]:
-    from torchtitan.config_manager import ConfigError, ConfigManager
+    from torchtitan.config_manager import ConfigManager
+    from torchtitan.errors import ConfigError
 
     keys = _config_keys()
     problems = []
@@ -419,7 +420,8 @@ def _config_problems(args: list[str]) -> list[str]:
 
 
 def _toml_problems(path: str) -> list[str]:
-    from torchtitan.config_manager import ConfigError, ConfigManager
+    from torchtitan.config_manager import ConfigManager
+    from torchtitan.errors import ConfigError
 
     try:
         ConfigManager().parse_args(["--job.config_file", str(REPO / path)])

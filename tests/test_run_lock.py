@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import pytest
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.errors import ConfigError
 from torchtitan.run_lock import (
     LOCK_NAME,
     STALE_AFTER_S,

@@ -1,24 +1,18 @@
 """Checks of a whole configuration that are ours, not a parser's: rules that relate several
 options (crop size vs. patch size, class weights vs. classes, ...), options that could not
-take effect, startup warnings, and the launch history of a run with the check that a resumed
-run still builds the model its checkpoints hold.
+take effect, and startup warnings. (A run's launch history in its dump folder is
+:mod:`torchtitan.launch_history`.)
 
-Floor 1: imports only the standard library and the other config modules.
+Floor 1: imports only the standard library, the other config modules and
+:mod:`torchtitan.errors`.
 """
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torchtitan.config_parsing import (
-    ConfigError,
-    config_to_dict,
-    field_problems,
-    format_value,
-    read_toml,
-    save_config,
-)
+from torchtitan.config_parsing import field_problems, format_value
+from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
     from torchtitan.config_manager import JobConfig
@@ -86,7 +80,40 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
             f"'inference.fill_holes_classes' names {unknown}, which 'data.classes' does not hold "
             f"({', '.join(config.data.classes)}); name classes the model predicts, or none (= all)"
         )
+    problems += _context_parallel_problems(config)
     problems += _ineffective_option_problems(config)
+    return problems
+
+
+def _context_parallel_problems(config: JobConfig) -> list[str]:
+    """Where ``training.context_parallel_degree`` cannot split the token sequence. (That the
+    degree divides the world size is checked where the device mesh is built; that the MAE's
+    kept tokens split evenly, by the MAE task.)"""
+    cp, model = config.training.context_parallel_degree, config.model
+    if cp == 1:
+        return []
+    key = f"'training.context_parallel_degree' = {cp}"
+    if config.training.tensor_parallel_degree > 1:
+        return [f"{key} and 'training.tensor_parallel_degree' = "
+                f"{config.training.tensor_parallel_degree} do not combine; use one of them (CP "
+                "for long 3D token sequences, TP for wide models) and data parallelism for the rest"]
+    if model.ndim != 3:
+        return [f"{key} splits the token sequences of 3D models; a 2D model's sequence "
+                f"(crop {model.crop_size}, patch {model.patch_size}) fits one device: use data "
+                "parallelism, or set it to 1"]
+    problems = []
+    rows = model.crop_size[0] // model.patch_size
+    if rows % cp:
+        problems.append(
+            f"{key} must divide the patch grid's first axis, {rows} rows ('model.crop_size'[0] "
+            f"= {model.crop_size[0]} / 'model.patch_size' = {model.patch_size}): each rank takes "
+            f"an equal slab of rows; use a crop depth that is a multiple of "
+            f"{model.patch_size * cp}, or a degree that divides {rows}")
+    if model.loss in ("dice", "bce_dice"):
+        problems.append(
+            f"{key}: 'model.loss' = {model.loss!r} scores each (sample, class) over the whole "
+            "sample, which no rank holds; use 'bce' or 'ce' (sums over voxels) with context "
+            "parallelism")
     return problems
 
 
@@ -159,81 +186,4 @@ def validate(config: JobConfig) -> None:
         where = f" (config file: {source})" if source else ""
         raise ConfigError(
             f"invalid configuration{where}:\n" + "\n".join(f"  - {p}" for p in problems)
-        )
-
-
-# ---------------------------------------------------------------------------------------
-# Launch history and resume compatibility
-# ---------------------------------------------------------------------------------------
-
-
-# Keys that decide the model's parameters (their names and shapes) or what its output channels
-# mean: a run's checkpoints only fit a model built with the same values. Per task; others
-# (lr, steps, crop_size, loss, augmentation, ...) may change between launches of one run.
-MODEL_SHAPING_KEYS: dict[str, tuple[str, ...]] = {
-    "segmentation": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
-                     "data.classes", "model.head", "model.head_channels",
-                     "model.head_image_levels", "model.backbone_out_layers"),
-    "mae": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
-            "model.decoder_dim", "model.decoder_depth", "model.decoder_num_heads"),
-}
-
-FIRST_LAUNCH_CONFIG = "config.toml"  # the first launch's resolved config, never overwritten
-
-
-def launch_configs(dump_folder: str | os.PathLike) -> list[str]:
-    """The resolved configs of a run's launches, oldest first: ``config.toml`` (launch 1),
-    then ``config.launch-2.toml``, ``config.launch-3.toml``, ... beside it."""
-    first = os.path.join(dump_folder, FIRST_LAUNCH_CONFIG)
-    if not os.path.isfile(first):
-        return []
-    later = []
-    for name in os.listdir(dump_folder):
-        number = name[len("config.launch-"):-len(".toml")]
-        if name.startswith("config.launch-") and name.endswith(".toml") and number.isdigit():
-            later.append((int(number), os.path.join(dump_folder, name)))
-    return [first] + [path for _, path in sorted(later)]
-
-
-def save_launch_config(config: JobConfig, dump_folder: str | os.PathLike) -> str:
-    """Keep this launch's resolved config beside the earlier ones (see :func:`launch_configs`)
-    and return its path; an earlier launch's file is never overwritten."""
-    previous = launch_configs(dump_folder)
-    name = FIRST_LAUNCH_CONFIG if not previous else f"config.launch-{len(previous) + 1}.toml"
-    path = os.path.join(dump_folder, name)
-    save_config(config, path)
-    return path
-
-
-_MISSING = object()
-
-
-def _dotted(values: dict[str, dict[str, Any]], key: str) -> Any:
-    section, name = key.split(".", 1)
-    return values.get(section, {}).get(name, _MISSING)
-
-
-def check_resume_compatible(config: JobConfig, dump_folder: str | os.PathLike,
-                            task: str) -> None:
-    """Raise one :class:`ConfigError` naming every model-shaping key (see
-    :data:`MODEL_SHAPING_KEYS`) whose value differs from the latest launch of the run in
-    ``dump_folder``, whose checkpoints this launch is about to resume. No-op without a
-    previous launch config."""
-    history = launch_configs(dump_folder)
-    if not history:
-        return
-    previous = history[-1]
-    old = read_toml(previous)
-    new = config_to_dict(config)
-    changed = []
-    for key in MODEL_SHAPING_KEYS.get(task, ()):
-        before, after = _dotted(old, key), _dotted(new, key)
-        if before is not _MISSING and before != after:  # a key older configs lack: not compared
-            changed.append(f"{key}: {format_value(before)} -> {format_value(after)}")
-    if changed:
-        raise ConfigError(
-            f"cannot resume the run in {dump_folder}: its checkpoints hold a different model. "
-            f"Changed since {previous}: " + "; ".join(changed) + ". Put these values back to "
-            "resume, or start a new job.dump_folder (with checkpoint.initial_load_path pointing "
-            "at this run's checkpoint folder to warm-start from its weights)"
         )

@@ -17,17 +17,18 @@ Usage::
                                          "--training.steps", "20", "--no-training.compile"])
 
 Every problem a user can cause (an unknown key, a value of the wrong type, a missing file,
-inconsistent options) raises :class:`ConfigError` with a message that names the file or the
-command line, the full ``section.key``, the offending value and what was expected, so that a
-bad config fails before any process group is started.
+inconsistent options) raises :class:`~torchtitan.errors.ConfigError` with a message that
+names the file or the command line, the full ``section.key``, the offending value and what was
+expected, so that a bad config fails before any process group is started.
 
 This module is the public face of the config floor: the schema, :class:`ConfigManager`, and
-the names the rest of the code imports (errors, saving, validation, launch history), which
-live beside it in :mod:`torchtitan.config_parsing` (TOML and command line into checked
-dataclasses, ``--help``, the TOML round trip) and :mod:`torchtitan.config_checks` (rules
-across options, launch history, resume compatibility). Import them from here.
+the names the rest of the code imports (saving, validation), which live beside it in
+:mod:`torchtitan.config_parsing` (TOML and command line into checked dataclasses, ``--help``,
+the TOML round trip) and :mod:`torchtitan.config_checks` (rules across options). Import them
+from here. The errors are :mod:`torchtitan.errors`'s.
 
-Floor 1: the config modules import only the standard library, ``tomli_w`` and each other.
+Floor 1: the config modules import only the standard library, ``tomli_w``, each other and
+:mod:`torchtitan.errors`.
 """
 
 import logging
@@ -35,19 +36,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from torchtitan.config_checks import (
-    MODEL_SHAPING_KEYS,
-    check_resume_compatible,
-    config_warnings,
-    launch_configs,
-    save_launch_config,
-    validate,
-)
+from torchtitan.config_checks import config_warnings, validate
 from torchtitan.config_parsing import (
     COMMAND_LINE,
-    ConfigError,
     Rule,
-    UserError,
     config_to_dict,
     config_to_toml,
     find_option,
@@ -61,21 +53,15 @@ from torchtitan.config_parsing import help_text as _help_text
 
 __all__ = [
     "COMMAND_LINE",
-    "MODEL_SHAPING_KEYS",
-    "ConfigError",
     "ConfigManager",
     "JobConfig",
-    "UserError",
-    "check_resume_compatible",
     "config_to_dict",
     "config_to_toml",
     "config_warnings",
     "flag_type",
     "help_text",
-    "launch_configs",
     "opt",
     "save_config",
-    "save_launch_config",
     "validate",
 ]
 

@@ -13,7 +13,7 @@ has no range rules, suggests nothing for a case slip ('adamw'), accepts ``nan``;
 would change the command-line syntax (``--training.no-compile``, space-separated lists).
 What stays here is small: one type check, one rule check, one error builder per kind.
 
-Floor 1: imports only the standard library and ``tomli_w``.
+Floor 1: imports only the standard library, ``tomli_w`` and :mod:`torchtitan.errors`.
 """
 
 import argparse
@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import tomli_w
 
+from torchtitan.errors import ConfigError
+
 COMMAND_LINE = "the command line"
 CONFIG_FILE_KEY = "job.config_file"  # the option naming the TOML file (read before the rest)
 
@@ -42,16 +44,6 @@ _SCALAR_TYPES = (bool, int, float, str)
 _LIST_TYPES = (list[str], list[int], list[float])
 
 Rule = tuple[Callable[[Any], bool], str]  # (predicate, what a valid value is)
-
-
-class UserError(Exception):
-    """Base of every error a user's input can cause (config, data, checkpoint path, command
-    line): entry points print its message once, without a traceback, and exit with status 2.
-    Defined on the lowest floor, and re-exported by :mod:`torchtitan.errors`."""
-
-
-class ConfigError(UserError, ValueError):
-    """A user-facing configuration problem; the message says what to change."""
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None,

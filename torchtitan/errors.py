@@ -5,9 +5,10 @@ checkpoint path, a command-line argument): entry points print its message once, 
 traceback, and exit with :data:`USER_ERROR_EXIT`, so that a launcher does not retry a run that
 cannot succeed. Programming errors stay ``ValueError`` / ``RuntimeError`` with tracebacks.
 
-``UserError`` itself is defined in :mod:`torchtitan.config_manager`, the lowest floor (which
-imports nothing of ours), and is re-exported here for everything else; ``ConfigError``,
-``DatasetError`` and ``ConversionError`` derive from it.
+This is the ground floor: it imports nothing of ours, so that every floor (the config, the
+CellMap domain, ...) can raise these errors. ``ConfigError`` is here too; the other subclasses
+live with the code that raises them (``DatasetError`` in :mod:`torchtitan.cellmap.errors`,
+``CheckpointError``, ``ConversionError``, ...).
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ import os
 import re
 import sys
 
-from torchtitan.config_manager import UserError
-
-__all__ = ["USER_ERROR_EXIT", "UserError", "print_user_error", "redact_secrets", "run_cli"]
+__all__ = ["USER_ERROR_EXIT", "ConfigError", "UserError", "print_user_error", "redact_secrets",
+           "run_cli"]
 
 USER_ERROR_EXIT = 2
+
+
+class UserError(Exception):
+    """Base of every error a user's input can cause (config, data, checkpoint path, command
+    line): entry points print its message once, without a traceback, and exit with status 2."""
+
+
+class ConfigError(UserError, ValueError):
+    """A user-facing configuration problem; the message says what to change."""
 
 
 def print_user_error(error: BaseException) -> int:

@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.errors import ConfigError
 
 logger = logging.getLogger("torchtitan")
 

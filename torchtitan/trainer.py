@@ -35,17 +35,12 @@ from torchtitan.checkpoint import (
     complete_steps,
     plan_resume,
 )
-from torchtitan.config_manager import (
-    ConfigError,
-    ConfigManager,
-    JobConfig,
-    check_resume_compatible,
-    save_launch_config,
-)
+from torchtitan.config_manager import ConfigManager, JobConfig
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
-from torchtitan.errors import USER_ERROR_EXIT, UserError
+from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
+from torchtitan.launch_history import check_resume_compatible, save_launch_config
 from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer

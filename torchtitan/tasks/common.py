@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.errors import ConfigError
 from torchtitan.models import list_backbones
 
 

@@ -84,7 +84,7 @@ from torchtitan.cellmap.ome_ngff import (
     write_pyramid,
 )
 from torchtitan.checkpoint import CheckpointError, complete_steps, load_model_weights
-from torchtitan.config_manager import ConfigError, ConfigManager
+from torchtitan.config_manager import ConfigManager
 from torchtitan.convert import load_pth_state_dict
 from torchtitan.datasets.cellmap import (
     DatasetError,
@@ -95,6 +95,7 @@ from torchtitan.datasets.cellmap import (
     set_em_ranges,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
+from torchtitan.errors import ConfigError
 from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
 from torchtitan.models import predict_probabilities, resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
