@@ -11,13 +11,13 @@ from torchtitan.config_manager import ConfigManager
 from torchtitan.models.vit import Block
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.parallelisms.parallelize import check_parallelism
+from torchtitan.parallelisms.parallelize import clip_grad_norm_
 from torchtitan.parallelisms.tensor_parallel import (
     PackedColwiseParallel,
     block_plan,
     from_storage_layout,
     to_storage_layout,
 )
-from torchtitan.parallelisms.utils import clip_grad_norm_
 from torchtitan.tasks.mae import MAETask
 from torchtitan.tasks.segmentation import SegmentationTask
 

@@ -49,12 +49,12 @@ from torchtitan.parallelisms.parallelize import (
     DTYPES,
     autocast_context,
     check_parallelism,
+    clip_grad_norm_,
     parallelize,
     wrap_ddp,
 )
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.parallelisms.seeded_init import init_model
-from torchtitan.parallelisms.utils import clip_grad_norm_
 from torchtitan.preemption import (
     NONFINITE_EXIT_CODE,
     REQUEUE_EXIT_CODE,

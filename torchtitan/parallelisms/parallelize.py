@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -106,20 +106,17 @@ def _fsdp_placement(param: nn.Parameter) -> Shard | None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> None:
+               reduce_dtype: torch.dtype) -> None:
     """FSDP2: shard each block, then the root (which picks up the remaining parameters)."""
     kwargs = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "shard_placement_fn": _fsdp_placement,
     }
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
     for _, blocks in block_lists(model):
         for block in blocks:
-            fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def _size_option(list_name: str, cfg) -> str:
@@ -199,3 +196,30 @@ def autocast_context(dims: ParallelDims, cfg, device_type: str):
 
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a total L2 norm of ``max_norm`` (``inf``: measure only) and return
+    the total norm before clipping, a plain scalar tensor, the same on every rank.
+
+    Under FSDP every gradient is a DTensor on the dp mesh; with tensor parallelism the blocks'
+    gradients are DTensors on the (dp x) tp mesh while the rest are plain tensors (TP only) or
+    DTensors on the dp mesh (FSDP + TP). ``torch.nn.utils.clip_grad_norm_`` cannot mix them,
+    so the norm is taken per mesh (each DTensor reduced over its own shards, replicated
+    tensors counted once) and the parts are combined.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    parts = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=False)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not parts:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(parts))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total
