@@ -118,6 +118,14 @@ class Training:
         1, "Data-parallel replicate degree (HSDP when > 1 with sharding, else DDP).", min=1
     )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree.", min=1)
+    context_parallel_degree: int = opt(
+        1,
+        "Context-parallel degree: the ranks of a group train on the same samples, each on an "
+        "equal slab of every sample's patch tokens (along the first spatial axis of the patch "
+        "grid); attention gathers keys and values across the group. For 3D models whose token "
+        "sequences do not fit one device; combines with FSDP/HSDP, not with TP.",
+        min=1,
+    )
     compile: bool = opt(False, "Compile each transformer block with torch.compile.")
     mixed_precision_param: str = opt(
         "bfloat16",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .context import SequenceShard
 from .rope import RopePositionEmbedding
 from .vit import Block, DinoVisionTransformer, init_vit_module
 
@@ -167,6 +168,7 @@ class MAEDecoder(nn.Module):
         )
         self.norm = nn.LayerNorm(dim, eps=1e-5)
         self.pred = nn.Linear(dim, patch_dim)
+        self.context: SequenceShard | None = None  # context parallelism (see context.py)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -175,15 +177,26 @@ class MAEDecoder(nn.Module):
             init_vit_module(module)
 
     def forward(self, x: Tensor, ids_restore: Tensor, grid: tuple[int, ...], n_prefix: int) -> Tensor:
-        """x: encoder output (B, n_prefix + N_keep, D_enc) -> predictions (B, N, patch_dim)."""
+        """x: encoder output (B, n_prefix + N_keep, D_enc) -> predictions (B, N, patch_dim).
+
+        Under context parallelism ``x`` holds this rank's part of the kept tokens: the parts
+        of all ranks are gathered (they are in the shuffled order, so the hidden ones can be
+        placed), and the decoder runs on this rank's slab of the patch grid; the predictions
+        are those of the slab's patches."""
+        shard = self.context if self.context is not None and self.context.active else None
         x = self.embed(x)
         prefix, visible = x[:, :n_prefix], x[:, n_prefix:]
+        if shard is not None:
+            visible = shard.gather(visible, 1)
         B, N = ids_restore.shape
         hidden = self.mask_token.to(x.dtype).expand(B, N - visible.shape[1], -1)
         patches = torch.cat([visible, hidden], dim=1)  # in shuffled order
         patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, self.dim))
-        x = torch.cat([prefix, patches], dim=1)
         rope = self.rope_embed(grid)
+        if shard is not None:
+            patches = shard.slab(patches, 1)
+            rope = (shard.slab(rope[0], 0), shard.slab(rope[1], 0))
+        x = torch.cat([prefix, patches], dim=1)
         for block in self.blocks:
             x = block(x, rope)
         return self.pred(self.norm(x)[:, n_prefix:])
@@ -222,6 +235,7 @@ class MaskedAutoencoder(nn.Module):
             num_heads=decoder_num_heads,
             attention=attention,
         )
+        self.context: SequenceShard | None = None  # context parallelism (see context.py)
         if not self.decoder.mask_token.is_meta:  # on meta, init_weights runs after to_empty
             self.decoder.init_weights()
 
@@ -234,10 +248,17 @@ class MaskedAutoencoder(nn.Module):
     def forward_encoder(
         self, imgs: Tensor, mask_ratio: float, noise: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
-        """Encode the visible patches. Returns (latent (B, R+1+N_keep, D), mask, ids_restore, grid)."""
+        """Encode the visible patches. Returns (latent (B, R+1+N_keep, D), mask, ids_restore, grid).
+
+        Under context parallelism every rank embeds and masks the whole sample (the same
+        noise gives the same mask everywhere) and encodes its ``1/size`` of the kept tokens,
+        a contiguous part of them in their shuffled order; ``latent`` holds that part."""
         enc = self.encoder
         x, grid = enc.embed_patches(imgs)
         x, mask, ids_restore, ids_keep = random_masking(x, mask_ratio, noise)
+        shard = self.context if self.context is not None and self.context.active else None
+        if shard is not None:
+            x, ids_keep = shard.slab(x, 1), shard.slab(ids_keep, 1)
         sin, cos = enc.rope_embed(grid)  # (N, head_dim)
         rope = (sin[ids_keep], cos[ids_keep])  # (B, N_keep, head_dim): each sample's positions
         x = enc.forward_tokens(enc.prepend_prefix_tokens(x), rope)
@@ -253,6 +274,13 @@ class MaskedAutoencoder(nn.Module):
         return mae_loss_terms(imgs, pred, mask, self.patch_size, valid, self.norm_pix_loss)
 
     def forward(self, imgs: Tensor, mask_ratio: float, noise: Tensor) -> tuple[Tensor, Tensor]:
-        """Predictions for every patch (B, N, patch_dim) and the mask (B, N), 1 = hidden."""
+        """Predictions for every patch (B, N, patch_dim) and the mask (B, N), 1 = hidden.
+        Under context parallelism (training), those of this rank's slab of the patch grid:
+        ``context.local_part`` gives the matching slab of the image for the loss."""
+        if self.context is not None:
+            self.context.active = self.training
         latent, mask, ids_restore, grid = self.forward_encoder(imgs, mask_ratio, noise)
-        return self.forward_decoder(latent, ids_restore, grid), mask
+        pred = self.forward_decoder(latent, ids_restore, grid)
+        if self.context is not None and self.context.active:
+            mask = self.context.slab(mask, 1)
+        return pred, mask

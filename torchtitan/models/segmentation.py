@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .context import SequenceShard
 from .vit import DinoVisionTransformer
 
 OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
@@ -304,6 +305,7 @@ class SegmentationModel(nn.Module):
         if not next(self.head.parameters()).is_meta:  # on meta, init_weights runs after to_empty
             self.head.init_weights()
 
+        self.context: SequenceShard | None = None  # context parallelism (see context.py)
         self.freeze_backbone = freeze_backbone
         if freeze_backbone:
             self.backbone.requires_grad_(False)
@@ -324,11 +326,49 @@ class SegmentationModel(nn.Module):
     def forward(self, x: Tensor, output_size: Sequence[int] | None = None) -> Tensor:
         """Logits (B, num_classes, *output_size); the default output size is the input's."""
         output_size = tuple(x.shape[2:] if output_size is None else output_size)
+        if self.context is not None:
+            self.context.active = self.training
+            if self.training:
+                return self._forward_context_parallel(x, output_size, self.context)
         frozen = torch.no_grad() if self.freeze_backbone else contextlib.nullcontext()
         with frozen:
             features = self.backbone.get_intermediate_layers(x, n=self.out_indices, reshape=True, norm=True)
         logits = self.head(list(features), x)
-        if tuple(logits.shape[2:]) != output_size:
-            mode = "bilinear" if self.ndim == 2 else "trilinear"
-            logits = F.interpolate(logits, size=output_size, mode=mode, align_corners=False)
-        return logits
+        return self._resize(logits, output_size)
+
+    def _resize(self, logits: Tensor, size: Sequence[int]) -> Tensor:
+        if tuple(logits.shape[2:]) == tuple(size):
+            return logits
+        mode = "bilinear" if self.ndim == 2 else "trilinear"
+        return F.interpolate(logits, size=tuple(size), mode=mode, align_corners=False)
+
+    def _forward_context_parallel(self, x: Tensor, output_size: tuple[int, ...],
+                                  shard: SequenceShard) -> Tensor:
+        """This rank's slab (along the first spatial axis) of the logits, under context
+        parallelism. ``x`` is the whole input (every rank of the group reads the same samples);
+        the backbone runs on this rank's slab of it.
+
+        The linear head is a 1x1 convolution: it runs on the slab, and only its logits on the
+        patch grid (a few channels) are gathered, so that the upsampling of the slab's edge
+        rows sees the neighbouring rows, as it does on one process. The convolutional heads
+        mix neighbours at every stage and normalise over the whole sample (GroupNorm): they get
+        the gathered feature map and run on the whole sample on every rank (their memory does
+        not shrink with the group), then the slab of their output is kept."""
+        frozen = torch.no_grad() if self.freeze_backbone else contextlib.nullcontext()
+        with frozen:
+            features = self.backbone.get_intermediate_layers(
+                shard.slab(x, 2), n=self.out_indices, reshape=True, norm=True)
+        if not isinstance(self.head, LinearHead):
+            logits = self.head([shard.gather(torch.cat(features, dim=1), 2)], x)
+            return shard.slab(self._resize(logits, output_size), 2)
+        logits = shard.gather(self.head(list(features)), 2)  # (B, K, *grid), the whole grid
+        rows, out_rows = logits.shape[2], output_size[0]
+        if out_rows % rows or tuple(logits.shape[2:]) == output_size:
+            return shard.slab(self._resize(logits, output_size), 2)
+        # Upsample this rank's rows with one neighbouring row on each side, then crop: with
+        # an integer factor, every output row depends only on the two nearest grid rows.
+        factor, n = out_rows // rows, rows // shard.size
+        lo = shard.rank * n
+        a, b = max(lo - 1, 0), min(lo + n + 1, rows)
+        part = self._resize(logits[:, :, a:b], ((b - a) * factor, *output_size[1:]))
+        return part[:, :, (lo - a) * factor:(lo - a + n) * factor]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import ATTENTION_BACKENDS, attention
+from .context import SequenceShard
 from .rope import RopePositionEmbedding, rope_apply
 
 Rope = tuple[Tensor, Tensor]  # (sin, cos), each (N, head_dim) or (B, N, head_dim)
@@ -140,6 +141,7 @@ class SelfAttention(nn.Module):
         linear = LinearKMaskedBias if mask_k_bias else nn.Linear
         self.qkv = linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.context: SequenceShard | None = None  # context parallelism (see context.py)
 
     @staticmethod
     def apply_rope(q: Tensor, k: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
@@ -168,6 +170,9 @@ class SelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         if rope is not None:
             q, k = self.apply_rope(q, k, rope)
+        if self.context is not None and self.context.active:
+            # Context parallelism: this rank's queries attend to every rank's keys and values.
+            k, v = self.context.gather_kv(k, v)
         x = attention(q, k, v, self.attention)
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
@@ -400,6 +405,7 @@ class DinoVisionTransformer(nn.Module):
         else:
             self.local_cls_norm = None
         self.mask_token = nn.Parameter(torch.empty(1, embed_dim))
+        self.context: SequenceShard | None = None  # context parallelism (see context.py)
         if not self.cls_token.is_meta:  # on meta, init_weights runs after to_empty instead
             self.init_weights()
 
@@ -442,6 +448,16 @@ class DinoVisionTransformer(nn.Module):
             x = torch.where(masks.unsqueeze(-1), self.mask_token.to(x.dtype).unsqueeze(0), x)
         return self.prepend_prefix_tokens(x, masked=masks is not None), grid
 
+    def patch_rope(self, grid: Sequence[int]) -> Rope:
+        """RoPE tables for the patches of ``grid``. Under context parallelism ``grid`` is this
+        rank's slab of a grid ``size`` times as deep, and the rows are the slab's, taken from
+        the whole grid (positions are global)."""
+        shard = self.context
+        if shard is None or not shard.active:
+            return self.rope_embed(grid)
+        sin, cos = self.rope_embed((grid[0] * shard.size, *grid[1:]))
+        return shard.slab(sin, 0), shard.slab(cos, 0)
+
     def forward_tokens(self, x: Tensor, rope: Rope | None) -> Tensor:
         """Run all blocks; ``rope`` covers the trailing patch tokens ((N, hd) or (B, N, hd))."""
         rope = rope_for_tokens(rope, x.shape[1])
@@ -462,7 +478,7 @@ class DinoVisionTransformer(nn.Module):
     # ------------------------------------------------------------ Meta's API
     def forward_features(self, x: Tensor, masks: Tensor | None = None) -> dict[str, Tensor]:
         tokens, grid = self.prepare_tokens(x, masks)
-        tokens = self.forward_tokens(tokens, self.rope_embed(grid))
+        tokens = self.forward_tokens(tokens, self.patch_rope(grid))
         return {**self.split_and_norm(tokens), "x_prenorm": tokens, "masks": masks}
 
     def get_intermediate_layers(
@@ -483,7 +499,7 @@ class DinoVisionTransformer(nn.Module):
         depth = len(self.blocks)
         take = list(range(depth - n, depth)) if isinstance(n, int) else [i % depth for i in n]
         tokens, grid = self.prepare_tokens(x)
-        rope = rope_for_tokens(self.rope_embed(grid), tokens.shape[1])
+        rope = rope_for_tokens(self.patch_rope(grid), tokens.shape[1])
         outputs = {}
         for i, block in enumerate(self.blocks):
             tokens = block(tokens, rope)

@@ -1,5 +1,9 @@
 """Apply parallelism, activation checkpointing, compilation and mixed precision from outside.
 
+Context parallelism (``context_parallel.py``) comes first: it only tells the model's layers
+which group splits the sequence. FSDP then shards over ``dp_shard`` x ``cp``. CP does not
+combine with TP (config_checks refuses it).
+
 Models are single-device code that expose their transformer blocks as ``nn.ModuleList``s
 named ``blocks`` (``backbone.blocks``, ``encoder.blocks``, ``decoder.blocks``). Everything here
 finds them by name, so one function serves every model. The order follows torchtitan:
@@ -24,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.tensor_parallel import apply_tp, check_divisible, is_strided_tp
 
@@ -143,6 +148,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
     classic DDP wrapper needs materialised weights, so it is applied by :func:`wrap_ddp` after
     initialisation.
     """
+    if dims.cp_enabled:
+        apply_cp(model, mesh["cp"])
     if dims.tp_enabled:
         check_parallelism(model, dims, cfg)
         apply_tp(block_lists(model), mesh["tp"])
@@ -151,8 +158,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
     if cfg.training.compile:
         apply_compile(model)
     if dims.fsdp_enabled:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.hsdp_enabled else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, DTYPES[cfg.training.mixed_precision_param],
+        apply_fsdp(model, dims.fsdp_mesh(mesh), DTYPES[cfg.training.mixed_precision_param],
                    DTYPES[cfg.training.mixed_precision_reduce])
         logger.info("applied %s", dims.describe())
     elif dims.ddp_enabled and dims.tp_enabled:

@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.datasets.augment import augment_on_device
+from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
 from torchtitan.datasets.loader import build_mae_samples, load_em_sources
 from torchtitan.datasets.slices import build_slice_mae_samples, load_mae_slices
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
+from torchtitan.models.context import local_part
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.base import ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -40,12 +42,24 @@ class MAETask(TaskBase):
 
     def prepare(self) -> None:
         check_backbone(self.cfg)
+        self._check_context_parallel()
         if self.cfg.data.dataset_name:  # EM slices of a Hugging Face dataset; it logs
             self.slices = load_mae_slices(self.cfg)
             return
         self.sources = load_em_sources(self.cfg)
         logger.info("MAE data: %d EM volumes (%s)", len(self.sources),
                     ", ".join(s.name for s in self.sources))
+
+    def _check_context_parallel(self) -> None:
+        """Under context parallelism each rank encodes an equal part of the kept patches."""
+        cp, m = self.cfg.training.context_parallel_degree, self.cfg.model
+        kept = max(1, int(self.num_patches() * (1 - m.mask_ratio)))  # as random_masking keeps
+        if cp > 1 and kept % cp:
+            raise ConfigError(
+                f"'training.context_parallel_degree' = {cp} must divide the number of patches "
+                f"the MAE encoder keeps, {kept} ({self.num_patches()} patches of crop "
+                f"{m.crop_size} at 'model.mask_ratio' = {m.mask_ratio}); change the mask ratio "
+                "or the crop size")
 
     def num_patches(self) -> int:
         return math.prod(c // self.cfg.model.patch_size for c in self.cfg.model.crop_size)
@@ -71,9 +85,11 @@ class MAETask(TaskBase):
     def _forward(self, model, batch):
         """(pred, mask, (sum, count)) of one batch."""
         pred, mask = model(batch.image, self.cfg.model.mask_ratio, batch.noise)
-        # The loss, once, outside the model: on the fp32 image (FSDP casts the model's inputs).
-        terms = mae_loss_terms(batch.image, pred, mask, self.cfg.model.patch_size,
-                               batch.valid, self.cfg.model.norm_pix_loss)
+        # The loss, once, outside the model: on the fp32 image (FSDP casts the model's inputs),
+        # under context parallelism on the slab of it whose patches this rank predicted.
+        terms = mae_loss_terms(local_part(model, batch.image), pred, mask,
+                               self.cfg.model.patch_size, local_part(model, batch.valid),
+                               self.cfg.model.norm_pix_loss)
         return pred, mask, terms
 
     def loss_terms(self, model, batch):

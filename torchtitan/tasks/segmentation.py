@@ -23,6 +23,7 @@ from torchtitan.models import (
     predict_probabilities,
     training_flops_per_sample,
 )
+from torchtitan.models.context import local_part
 from torchtitan.postprocess import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone, most_forwards
@@ -81,7 +82,9 @@ class SegmentationTask(TaskBase):
         m = self.cfg.model
         logits = model(batch.image, output_size=batch.target.shape[2:]).float()
         weights = torch.tensor(m.class_weights, device=logits.device) if m.class_weights else None
-        return build_loss(m.loss, weights)(logits, batch.target, batch.valid)
+        # Under context parallelism the logits are this rank's slab: so are the targets.
+        return build_loss(m.loss, weights)(logits, local_part(model, batch.target),
+                                           local_part(model, batch.valid))
 
     # -- validation -----------------------------------------------------------------------------
 
