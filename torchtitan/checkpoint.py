@@ -54,6 +54,7 @@ from torchtitan.parallelisms.tensor_parallel import from_storage_layout, to_stor
 logger = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+BEST_RECORD = "best.json"  # names the best checkpoint: {"step": N, <metric>: score}
 # Left behind by a job killed mid-save (checkpoint) or mid-write (best.json); never loadable.
 STALE_TMP_RE = re.compile(r"^(\.step-\d+\.tmp|\.best\.json\.tmp)$")
 SEED_STEP = 0  # a model-only checkpoint at this step is a seed (pth_to_dcp.py, create_seed_checkpoint)
@@ -107,8 +108,19 @@ def checkpoint_keys(path: str | os.PathLike) -> set[str]:
     return set(reader.read_metadata().state_dict_metadata.keys())
 
 
+def read_best(folder: str | os.PathLike) -> dict | None:
+    """The record of the best checkpoint in ``folder`` (``{"step": N, <metric>: score}``, see
+    :meth:`CheckpointManager.mark_best`), or None when no validation has marked one."""
+    path = Path(folder) / BEST_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 class CheckpointManager:
-    """Saves and restores the full training state; see the module docstring."""
+    """Saves and restores the full training state; see the module docstring.
+
+    The best checkpoint is the train state's ``best_step`` (its one owner): ``keep_latest_k``
+    purging spares it, and :meth:`mark_best` writes it to ``best.json`` for people and tools.
+    """
 
     def __init__(self, cfg, model: torch.nn.Module, optimizer, lr_scheduler, train_state):
         self.cfg = cfg.checkpoint
@@ -117,14 +129,14 @@ class CheckpointManager:
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.train_state = train_state  # has state_dict() / load_state_dict()
+        # Has state_dict() / load_state_dict() and best_step (None before the first best).
+        self.train_state = train_state
         self.pending = None  # (future, step) of an asynchronous save not yet finalised
         # Background saves coordinate through their own (gloo) process group, so that their
         # collectives never interleave with the training step's on the default group.
         self.async_group = None
         if self.enabled and self.cfg.async_mode == "async" and dist.is_initialized():
             self.async_group = dist.new_group(backend="gloo")
-        self.best_step: int | None = None
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -230,23 +242,21 @@ class CheckpointManager:
         _barrier()
         logger.info("saved checkpoint %s", final)
 
-    def mark_best(self, step: int, score: float, metric: str) -> None:
-        """Record ``step`` as the best checkpoint (kept by ``keep_latest_k`` purging)."""
-        self.best_step = step
+    def mark_best(self, score: float, metric: str) -> None:
+        """Write ``best.json`` naming the train state's ``best_step`` with its ``score`` on
+        ``metric``, and purge the earlier best it replaces."""
         if _is_rank0():
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.folder / ".best.json.tmp"
-            tmp.write_text(json.dumps({"step": step, metric: score}) + "\n")
-            os.replace(tmp, self.folder / "best.json")
+            tmp = self.folder / f".{BEST_RECORD}.tmp"
+            tmp.write_text(json.dumps({"step": self.train_state.best_step, metric: score}) + "\n")
+            os.replace(tmp, self.folder / BEST_RECORD)
             self._purge()  # an earlier best may now go
 
     def _purge(self) -> None:
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
-        best = self.best_step
-        if best is None and (self.folder / "best.json").is_file():
-            best = json.loads((self.folder / "best.json").read_text())["step"]
+        best = self.train_state.best_step
         for step in complete_steps(self.folder)[:-k]:
             if step != best:
                 shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)

@@ -34,6 +34,7 @@ from torchtitan.checkpoint import (
     ResumePlan,
     complete_steps,
     plan_resume,
+    read_best,
 )
 from torchtitan.config_manager import ConfigManager, JobConfig
 from torchtitan.datasets.augment import augment_on_device
@@ -439,7 +440,7 @@ class Trainer:
                     if not saved:
                         self._save(step)
                     metric = self.task.best_metric
-                    self.checkpoint.mark_best(step, scores[metric], metric)
+                    self.checkpoint.mark_best(scores[metric], metric)
         if bar is not None:
             bar.close()
         if start >= total and not scores:
@@ -459,23 +460,21 @@ class Trainer:
         return False
 
     def _restore_best(self) -> None:
-        """After resume: the best validation so far, and the checkpoint manager's ``best_step``
-        (which ``keep_latest_k`` purging spares) follows it.
+        """After resume: the best validation so far, in the train state (whose ``best_step``
+        ``keep_latest_k`` purging spares).
 
         A step is saved before it is validated, so the checkpoint of a step that then became
         the best does not know it; ``best.json`` (written right after that validation) does,
         and is taken when it names a step up to the resumed one with a better score.
         """
         metric = self.task.best_metric
-        marker = self.checkpoint.folder / "best.json"
-        if metric is not None and marker.is_file():
-            record = json.loads(marker.read_text())
+        record = read_best(self.checkpoint.folder)
+        if metric is not None and record is not None:
             score, step = record.get(metric), int(record.get("step", -1))
             if score is not None and 0 < step <= self.state.step:
                 value = score if self.task.best_higher else -score
                 if self.state.best_score is None or value > self.state.best_score:
                     self.state.best_score, self.state.best_step = value, step
-        self.checkpoint.best_step = self.state.best_step
 
     def _skip(self, step: int, in_a_row: int) -> int:
         """Count a skipped non-finite step; stop after training.max_skipped_steps in a row."""
