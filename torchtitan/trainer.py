@@ -145,7 +145,8 @@ class Trainer:
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.dims = ParallelDims(cfg.training.data_parallel_replicate_degree,
                                  cfg.training.data_parallel_shard_degree,
-                                 cfg.training.tensor_parallel_degree, self.world_size)
+                                 cfg.training.tensor_parallel_degree, self.world_size,
+                                 cfg.training.context_parallel_degree)
         if cfg.training.batch_size % self.dims.dp_degree != 0:
             raise ParallelismError(
                 f"training.batch_size={cfg.training.batch_size} (the global batch) is not "
@@ -178,8 +179,10 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_mesh = self.dims.dp_mesh(self.mesh)
         self.dp_rank = self.dims.dp_rank(self.mesh)
+        self.loss_mesh = self.dims.loss_mesh(self.mesh)  # dp x cp: where loss terms add up
         # Ranks of one tensor-parallel group hold the same batch: only tp rank 0 writes files.
         self.tp_rank = self.mesh["tp"].get_local_rank() if self.dims.tp_enabled else 0
+        self.cp_rank = self.dims.cp_rank(self.mesh)  # so do those of a context-parallel group
         if self.cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -283,8 +286,9 @@ class Trainer:
             loss_sum, count = self.task.loss_terms(self.model, batch)
         # Normalise by the GLOBAL count so that gradient averaging over data-parallel ranks
         # yields the gradient of the global-batch mean, however the batch is split.
-        global_count = _all_reduce(count.detach().double().clone(), self.dp_mesh).clamp_min(1)
-        loss = loss_sum * (self.dims.dp_degree / global_count.to(loss_sum.dtype))
+        # (Under context parallelism each rank's terms are those of its part of the samples.)
+        global_count = _all_reduce(count.detach().double().clone(), self.loss_mesh).clamp_min(1)
+        loss = loss_sum * (self.dims.loss_degree / global_count.to(loss_sum.dtype))
         loss.backward()
         if step in self.nan_grad_steps:
             self._inject_nan_grad()
@@ -303,7 +307,7 @@ class Trainer:
             self.optimizer.step()
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        global_sum = _all_reduce(loss_sum.detach().double().clone(), self.dp_mesh)
+        global_sum = _all_reduce(loss_sum.detach().double().clone(), self.loss_mesh)
         return global_sum / global_count, grad_norm, nonfinite, stop
 
     def _inject_nan_grad(self) -> None:
@@ -360,7 +364,7 @@ class Trainer:
             sharded=self.dims.fsdp_enabled,
             writer=self.metrics.writer if self.rank == 0 else None,
             # Ranks of one tensor-parallel group hold the same data: one of them writes.
-            writes_files=self.tp_rank == 0)
+            writes_files=self.tp_rank == 0 and self.cp_rank == 0)
         with torch.no_grad(), self.autocast:
             scores = self.task.validate(module, ctx)
         self.model.train()
