@@ -28,7 +28,6 @@ torchtitan/tools/predictor.py.
 import argparse
 import sys
 
-from torchtitan.checkpoint import CheckpointError
 from torchtitan.config_manager import POSITIVE, flag_type
 from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.metrics import report_user_error, setup_logging
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
 
     try:
         written = predict_regions(args)
-    except (UserError, CheckpointError) as e:  # ConfigError, DatasetError, ...: one message
+    except UserError as e:  # ConfigError, DatasetError, CheckpointError, ...: one message
         report_user_error(e, rank)
         return USER_ERROR_EXIT
     if rank == 0:

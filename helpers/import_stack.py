@@ -25,11 +25,10 @@ Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and
 import sys
 
 from helpers import script_parser
-from torchtitan.datasets.image_stack import (
-    INSTANCE_MODES,
+from torchtitan.datasets.image_stack import INSTANCE_MODES, import_stack
+from torchtitan.datasets.stack_labels import (
     ImageStackError,
     ValueMap,
-    import_stack,
     parse_class,
     parse_values,
     read_value_map,

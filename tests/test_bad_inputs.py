@@ -563,7 +563,7 @@ def call_ctx(results, tmp_path_factory) -> dict:
     """The context of the in-process calls: that of the processes, plus a copy of one dataset,
     stores predict.py did not write, prediction stores with grid mistakes and .pth files."""
     from torchtitan.datasets.cellmap import discover
-    from torchtitan.tools.predictor import OWNER_ATTR
+    from torchtitan.tools.prediction_store import OWNER_ATTR
 
     ctx = dict(results["ctx"])
     tmp = tmp_path_factory.mktemp("calls")
@@ -661,7 +661,7 @@ def test_second_run_into_a_live_runs_folder_stops(demo_data, tmp_path, nproc):
     import socket
     import time
 
-    from torchtitan.checkpoint import complete_steps
+    from torchtitan.checkpoint_reading import complete_steps
 
     dump = tmp_path / "run"
     common = ["--job.config_file", SEG2D, "--data.dataset_path", str(demo_data),

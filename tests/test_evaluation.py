@@ -17,13 +17,12 @@ from scipy.spatial.distance import directed_hausdorff
 
 from torchtitan.evaluation import (
     combine_scores,
-    hausdorff_distance,
     instance_scores,
     label_instances,
-    normalize_distance,
     score_crop,
     semantic_crop_scores,
 )
+from torchtitan.hausdorff import hausdorff_distance, normalize_distance
 
 REPO = Path(__file__).resolve().parents[1]
 VOXEL = (40.0, 4.0, 4.0)  # strongly anisotropic (z coarser), nm

@@ -181,10 +181,12 @@ FLOORS = {
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.datasets": 3,
     f"{PACKAGE}.evaluation": 3,
+    f"{PACKAGE}.hausdorff": 3,  # the instance metric's distances (beside evaluation)
     f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances (beside evaluation)
     f"{PACKAGE}.scoring": 3,  # scoring prediction stores (python -m torchtitan.evaluation)
     f"{PACKAGE}.parallelisms": 4,
     f"{PACKAGE}.checkpoint": 4,
+    f"{PACKAGE}.checkpoint_reading": 4,  # step folders, stored keys, model weights
     f"{PACKAGE}.launch_history": 4,  # a run's resolved configs, resume check (beside checkpoint)
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.metrics": 4,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, _env, launch
-from torchtitan.checkpoint import checkpoint_keys
+from torchtitan.checkpoint_reading import checkpoint_keys
 from torchtitan.models import build_backbone
 from torchtitan.models.inflate import (
     adapt_in_chans,
@@ -517,7 +517,7 @@ def test_seed_with_full_checkpoint_kept_resumes_from_the_full_one(seeded_run):
 
 @single_process_dcp
 def test_model_only_export_after_the_seed_is_not_a_seed(seeded_run):
-    from torchtitan.checkpoint import CheckpointError
+    from torchtitan.errors import CheckpointError
 
     manager, _ = _manager(seeded_run)
     manager.resume()
@@ -529,7 +529,7 @@ def test_model_only_export_after_the_seed_is_not_a_seed(seeded_run):
 
 @single_process_dcp
 def test_seed_of_another_backbone_is_a_clear_error(seeded_run):
-    from torchtitan.checkpoint import CheckpointError
+    from torchtitan.errors import CheckpointError
 
     manager, _ = _manager(seeded_run, "--model.backbone", "vit_tiny")
     with pytest.raises(CheckpointError, match="does not fit this model") as err:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchtitan.config_parsing import field_problems, format_value
+from torchtitan.config_parsing import field_problems
 from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -6,9 +6,9 @@ traceback, and exit with :data:`USER_ERROR_EXIT`, so that a launcher does not re
 cannot succeed. Programming errors stay ``ValueError`` / ``RuntimeError`` with tracebacks.
 
 This is the ground floor: it imports nothing of ours, so that every floor (the config, the
-CellMap domain, ...) can raise these errors. ``ConfigError`` is here too; the other subclasses
-live with the code that raises them (``DatasetError`` in :mod:`torchtitan.cellmap.errors`,
-``CheckpointError``, ``ConversionError``, ...).
+CellMap domain, ...) can raise these errors. ``ConfigError`` and ``CheckpointError`` are here
+too; ``DatasetError`` is the domain's (:mod:`torchtitan.cellmap.errors`, which imports only
+this module).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import re
 import sys
 
-__all__ = ["USER_ERROR_EXIT", "ConfigError", "UserError", "print_user_error", "redact_secrets",
-           "run_cli"]
+__all__ = ["USER_ERROR_EXIT", "CheckpointError", "ConfigError", "UserError", "print_user_error",
+           "redact_secrets", "run_cli"]
 
 USER_ERROR_EXIT = 2
 
@@ -30,6 +30,10 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A user-facing configuration problem; the message says what to change."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used as asked; the message says why and what to do."""
 
 
 def print_user_error(error: BaseException) -> int:

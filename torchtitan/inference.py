@@ -32,6 +32,7 @@ accumulated with one operation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from itertools import combinations, product
 
 import numpy as np
 import torch
+
+from torchtitan.models import predict_probabilities
 
 logger = logging.getLogger(__name__)
 
@@ -435,3 +438,93 @@ def predict_blockwise(predict: Predict,
         if progress is not None:
             progress(1)
     return done
+
+
+# ---------------------------------------------------------------------------------------------
+# One model predicting whole volumes (validation and predict.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VolumePredictor:
+    """A model's prediction of whole volumes, as validation and ``predict.py`` both run it.
+
+    It owns the device, the predict function (the model's probabilities, under bf16 autocast
+    where asked), the test-time flips and planes, the window plan (window, overlap, blending,
+    batch) and the count of forwards that sharded ranks must match (:meth:`forward_count`,
+    :meth:`idle_forwards`).
+    """
+
+    model: torch.nn.Module
+    loss: str  # model.loss: what the outputs mean (sigmoid or softmax probabilities)
+    device: torch.device
+    window: tuple[int, ...]
+    num_outputs: int
+    in_chans: int
+    overlap: float = 0.25
+    blend: str = "gaussian"
+    batch_size: int = 8
+    tta_flips: bool = False
+    planes: str = "z"
+    voxel_size: tuple[float, ...] | None = None
+    bf16: bool = False  # autocast the forward to bfloat16 (predict.py on GPUs)
+    inference_mode: bool = False  # cheaper than no_grad; only for a model never trained after
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, cfg, device: torch.device, *,
+                    tta_flips: bool | None = None, planes: str | None = None,
+                    batch_size: int | None = None, **options) -> VolumePredictor:
+        """The run's ``[inference]`` window plan for ``model``; the keyword arguments override
+        it (``predict.py``'s flags)."""
+        inf = cfg.inference
+        return cls(model, cfg.model.loss, device, tuple(cfg.model.crop_size),
+                   len(cfg.data.classes), cfg.model.in_chans, overlap=inf.overlap,
+                   blend=inf.blend, batch_size=batch_size or inf.batch_size,
+                   tta_flips=inf.tta_flips if tta_flips is None else tta_flips,
+                   planes=planes or inf.planes, voxel_size=tuple(cfg.data.voxel_size),
+                   **options)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The probabilities of a batch of windows."""
+        grad = torch.inference_mode() if self.inference_mode else torch.no_grad()
+        # Without bf16 the caller's precision context (the trainer's autocast) stays in force.
+        cast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else \
+            contextlib.nullcontext()
+        with grad, cast:
+            return predict_probabilities(self.model(x.to(self.device)).float(), self.loss)
+
+    def _plan(self) -> dict:
+        return {"overlap": self.overlap, "blend": self.blend, "batch_size": self.batch_size,
+                "tta_flips": self.tta_flips, "planes": self.planes, "voxel_size": self.voxel_size}
+
+    def predict_volume(self, image: torch.Tensor) -> torch.Tensor:
+        """(num_outputs, D, H, W) probabilities of a (C, D, H, W) volume in memory."""
+        return predict_volume(self, image, self.window, self.num_outputs, **self._plan())
+
+    def predict_blockwise(self, read_input, write_block, shape: tuple[int, int, int],
+                          block_shape: tuple[int, int, int], rank: int = 0, world_size: int = 1,
+                          progress=None) -> int:
+        """A volume read and written block by block (see :func:`predict_blockwise`)."""
+        return predict_blockwise(self, read_input, write_block, shape, self.window,
+                                 self.num_outputs, block_shape=block_shape, rank=rank,
+                                 world_size=world_size, progress=progress, **self._plan())
+
+    def block_window(self) -> tuple[int, int, int]:
+        """The extent of the windows along each axis over every tiling: blocks that are
+        multiples of it leave few windows straddling two blocks (predicted twice)."""
+        w = self.window
+        if len(w) == 3:
+            return w
+        return (w[0], max(w), w[1]) if self.planes == "zyx" else (1, *w)
+
+    def forward_count(self, shape: tuple[int, ...]) -> int:
+        """How many forwards :meth:`predict_volume` runs for a (D, H, W) volume."""
+        return num_predict_calls(shape, self.window, self.overlap, self.batch_size,
+                                 planes=self.planes)
+
+    def idle_forwards(self, n: int) -> None:
+        """``n`` forwards of a zero batch, so that a sharded model's ranks run as many
+        forwards as the busiest one (FSDP gathers weights inside each)."""
+        dummy = torch.zeros((self.batch_size, self.in_chans, *self.window))
+        for _ in range(n):
+            self(dummy)

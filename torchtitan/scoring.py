@@ -83,7 +83,6 @@ from torchtitan.evaluation import (
     combine_scores,
     instance_overlaps,
     match_instances,
-    normalize_distance,
     overall_scores,
     predicted_instances,
     score_class,
@@ -91,7 +90,7 @@ from torchtitan.evaluation import (
     semantic_crop_scores,
     truth_instances,
 )
-from torchtitan.evaluation import _pair_hausdorff as pair_hausdorff  # noqa: PLC2701
+from torchtitan.hausdorff import normalize_distance, pair_hausdorff
 
 METRIC_VERSIONS = {
     "2025": "cellmap-2025 (revised: counts pooled per class; instance F1 x per-instance Hausdorff)",

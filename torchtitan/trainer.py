@@ -28,19 +28,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torchtitan.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    ResumePlan,
-    complete_steps,
-    plan_resume,
-    read_best,
-)
+from torchtitan.checkpoint import CheckpointManager, ResumePlan, plan_resume, read_best
+from torchtitan.checkpoint_reading import complete_steps
 from torchtitan.config_manager import ConfigManager, JobConfig
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
-from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
+from torchtitan.errors import USER_ERROR_EXIT, CheckpointError, ConfigError, UserError
 from torchtitan.launch_history import check_resume_compatible, save_launch_config
 from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention

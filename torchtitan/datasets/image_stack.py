@@ -25,6 +25,7 @@ other:
   must belong to a class, to ``background`` (absent for every class) or to ``unknown``.
 * A stack without labels becomes EM only (for MAE pretraining and prediction).
 
+What label values mean (value maps) and the crops are :mod:`torchtitan.datasets.stack_labels`.
 Everything is checked before anything is written; the store is written beside its final
 place and renamed into it at the end, so a failed import leaves no half-written dataset.
 """
@@ -35,15 +36,13 @@ import glob
 import math
 import re
 import shutil
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from torchtitan.cellmap.classes import CLASS_IDS, class_name_hint, is_instance_class
-from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.classes import is_instance_class
 from torchtitan.cellmap.labels import ABSENT, PRESENT, UNKNOWN, LabelEncoding, annotation_attrs
 from torchtitan.cellmap.ome_ngff import (
     create_multiscale_group,
@@ -52,6 +51,13 @@ from torchtitan.cellmap.ome_ngff import (
     write_pyramid,
 )
 from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.datasets.stack_labels import (
+    ImageStackError,
+    ValueMap,
+    check_crops,
+    check_value_map,
+    parse_crop,
+)
 
 IMAGE_SUFFIXES = (".tif", ".tiff", ".png")
 INSTANCE_MODES = ("3d", "2d", "none")
@@ -60,10 +66,6 @@ _MODES = {"L": np.uint8, "P": np.uint8, "1": np.uint8, "I;16": np.uint16, "I;16L
           "I;16B": np.uint16, "I;16N": np.uint16, "I": np.uint16}
 # About 128 KiB of uint8 per chunk: 64^3 for isotropic voxels, 8 x 128 x 128 for 50 x 4.6 x 4.6 nm.
 CHUNK_VOXELS = 2**17
-
-
-class ImageStackError(DatasetError):
-    """An image stack, value map or import option that cannot be imported as given."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,160 +205,6 @@ def open_stack(source: str | Path, what: str) -> ImageStack:
             raise ImageStackError(f"{what}: cannot read {file} as an image: {e}") from e
     assert first is not None
     return ImageStack(what, sections, first[1], np.dtype(_MODES[first[2]]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Value maps and crops
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Values:
-    """A set of label values given as numbers and inclusive ranges: ``0,32,64-128``."""
-
-    ranges: tuple[tuple[int, int], ...] = ()
-
-    def __str__(self) -> str:
-        return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in self.ranges)
-
-    def __bool__(self) -> bool:
-        return bool(self.ranges)
-
-    def table(self, size: int) -> np.ndarray:
-        """Boolean lookup table over the values ``0 .. size - 1``."""
-        lut = np.zeros(size, bool)
-        for a, b in self.ranges:
-            lut[a: b + 1] = True
-        return lut
-
-
-def parse_values(spec, what: str) -> Values:
-    """Label values from ``"0,32,64-128"``, an int, or a list of ints and such strings."""
-    items = spec if isinstance(spec, list) else [spec]
-    ranges = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise ImageStackError(f"{what}: {item!r} is not a label value; give integers and "
-                                  "ranges such as 0,32,64-128")
-        if isinstance(item, int):
-            parts = [str(item)]
-        else:
-            parts = [p.strip() for p in item.split(",") if p.strip()]
-        for part in parts:
-            m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
-            if not m:
-                raise ImageStackError(f"{what}: {part!r} is not a label value or range; give "
-                                      "integers and ranges such as 0,32,64-128")
-            a, b = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
-            if b < a:
-                raise ImageStackError(f"{what}: range {part!r} ends before it starts")
-            ranges.append((a, b))
-    if not ranges:
-        raise ImageStackError(f"{what}: no label values given; e.g. 191 or 0,32,64-128")
-    return Values(tuple(ranges))
-
-
-@dataclass
-class ValueMap:
-    """Which label values make up each class, which are background, which unknown."""
-
-    classes: dict[str, Values] = field(default_factory=dict)
-    background: Values = Values()
-    unknown: Values = Values()
-
-
-def parse_class(spec: str) -> tuple[str, Values]:
-    """``--class NAME=VALUES`` -> (name, values)."""
-    name, sep, values = spec.partition("=")
-    if not sep or not name.strip():
-        raise ImageStackError(f"--class {spec!r}: expected NAME=VALUES, e.g. mito=191 or "
-                              "pm=0,32,64-128")
-    return name.strip(), parse_values(values, f"--class {name.strip()}")
-
-
-def read_value_map(path: str | Path) -> ValueMap:
-    """A value map TOML: ``background``, ``unknown`` and a ``[classes]`` table of
-    ``name = values`` (an int, a list, or a string such as ``"0,32,64-128"``)."""
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ImageStackError(f"--value_map {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ImageStackError(f"--value_map {path}: not valid TOML: {e}") from None
-    unknown_keys = sorted(set(doc) - {"classes", "background", "unknown"})
-    if unknown_keys:
-        raise ImageStackError(f"--value_map {path}: unknown key(s) {unknown_keys}; expected "
-                              "'background', 'unknown' and a [classes] table")
-    classes = doc.get("classes", {})
-    if not isinstance(classes, dict):
-        raise ImageStackError(f"--value_map {path}: 'classes' must be a table of name = values")
-    vm = ValueMap({name: parse_values(v, f"--value_map {path}: classes.{name}")
-                   for name, v in classes.items()})
-    if "background" in doc:
-        vm.background = parse_values(doc["background"], f"--value_map {path}: background")
-    if "unknown" in doc:
-        vm.unknown = parse_values(doc["unknown"], f"--value_map {path}: unknown")
-    return vm
-
-
-def parse_crop(spec: str) -> tuple[str, int, int]:
-    """``--crop crop1=0-15`` -> ("crop1", 0, 15), sections inclusive (``crop3=7``: one)."""
-    m = re.fullmatch(r"\s*(crop\d+)\s*=\s*(\d+)(?:\s*-\s*(\d+))?\s*", spec)
-    if not m:
-        raise ImageStackError(f"--crop {spec!r}: expected crop<N>=FIRST-LAST (sections, from 0), "
-                              "e.g. crop1=0-15")
-    a, b = int(m.group(2)), int(m.group(3) if m.group(3) is not None else m.group(2))
-    if b < a:
-        raise ImageStackError(f"--crop {spec!r}: the last section comes before the first")
-    return m.group(1), a, b
-
-
-def check_crops(crops: list[tuple[str, int, int]], n_sections: int) -> None:
-    """Crops must lie inside the stack, have distinct names and not overlap."""
-    names = [c[0] for c in crops]
-    for name in names:
-        if names.count(name) > 1:
-            raise ImageStackError(f"--crop {name} is given twice; give each crop once")
-    for name, a, b in crops:
-        if b >= n_sections:
-            raise ImageStackError(
-                f"--crop {name}={a}-{b}: the stack has sections 0-{n_sections - 1} only; "
-                "crops are ranges of section indices counted from 0")
-    ordered = sorted(crops, key=lambda c: c[1])
-    for (n1, a1, b1), (n2, a2, b2) in zip(ordered, ordered[1:]):
-        if a2 <= b1:
-            raise ImageStackError(
-                f"--crop {n1}={a1}-{b1} and --crop {n2}={a2}-{b2} overlap (sections "
-                f"{a2}-{min(b1, b2)}); every section belongs to one crop at most")
-
-
-def _check_value_map(vm: ValueMap, dtype: np.dtype) -> None:
-    if not vm.classes:
-        raise ImageStackError(
-            "labels given without a value map: say which label values make up each class with "
-            "--class NAME=VALUES (e.g. --class mito=191) or --value_map FILE.toml")
-    for name in vm.classes:
-        if name not in CLASS_IDS:
-            raise ImageStackError(
-                f"--class {name}: not a CellMap class{class_name_hint(name)} Use a name of the "
-                "class table (torchtitan/cellmap/classes.py), e.g. mito, pm, ecs, nuc, er")
-    top = int(np.iinfo(dtype).max)
-    named = {f"--class {n}": v for n, v in vm.classes.items()}
-    named.update({"--background": vm.background, "--unknown": vm.unknown})
-    for what, values in named.items():
-        for a, b in values.ranges:
-            if b > top:
-                raise ImageStackError(
-                    f"{what}: value {b} is outside the range of the {dtype.name} label images "
-                    f"(0-{top})")
-    tables = {what: values.table(top + 1) for what, values in named.items()}
-    pairs = [(f"--class {n}", other) for n in vm.classes for other in ("--background", "--unknown")]
-    for what, other in pairs + [("--background", "--unknown")]:
-        both = np.flatnonzero(tables[what] & tables[other])
-        if both.size:
-            raise ImageStackError(
-                f"label value {both[0]} is in both {what} and {other}; a value is background, "
-                "unknown, or part of classes (one value may belong to several classes)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +355,42 @@ def default_name(em: str | Path) -> str:
     return path.resolve().name if path.is_dir() else path.stem
 
 
+def _open_labels(labels, em_stack: ImageStack, crops: list[str] | None, value_map: ValueMap,
+                 out: Path, name: str) -> tuple[ImageStack, list[tuple[str, int, int]]]:
+    """The label stack and its crops, checked against the EM, the value map and the crops
+    already in ``out``."""
+    label_stack = open_stack(labels, "--labels")
+    if len(label_stack) != len(em_stack):
+        raise ImageStackError(
+            f"--labels has {len(label_stack)} images but --em has {len(em_stack)} sections "
+            f"(first label {label_stack.sections[0]}, first EM {em_stack.sections[0]}); give "
+            "one label image per EM section, in the same order")
+    if label_stack.shape != em_stack.shape:
+        raise ImageStackError(
+            f"--labels: {label_stack.sections[0]} is {label_stack.shape[1]} x "
+            f"{label_stack.shape[0]} pixels (x, y) but the EM sections "
+            f"({em_stack.sections[0]}) are {em_stack.shape[1]} x {em_stack.shape[0]}; labels "
+            "must cover the EM pixel for pixel")
+    crop_list = [parse_crop(c) for c in crops] if crops else [("crop1", 0, len(em_stack) - 1)]
+    check_crops(crop_list, len(em_stack))
+    _check_crop_names_free(out, name, [c[0] for c in crop_list])
+    check_value_map(value_map, label_stack.dtype)
+    size = int(np.iinfo(label_stack.dtype).max) + 1
+    claimed = value_map.background.table(size) | value_map.unknown.table(size)
+    for values in value_map.classes.values():
+        claimed |= values.table(size)
+    unclaimed = _unclaimed_values(label_stack, crop_list, claimed)
+    if unclaimed:
+        listing = "; ".join(f"value {v} in sections {_sections_text(s)}"
+                            for v, s in sorted(unclaimed.items()))
+        v = min(unclaimed)
+        raise ImageStackError(
+            f"--labels: label values that no class claims: {listing}. Add each to a class "
+            f"(--class NAME={v}), to --background {v} (absent for every class) or to "
+            f"--unknown {v} (not annotated)")
+    return label_stack, crop_list
+
+
 def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path | None = None,
                  name: str | None = None, crops: list[str] | None = None,
                  value_map: ValueMap | None = None, instances: str = "3d",
@@ -543,38 +427,9 @@ def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path
                               "--crop need label images: give them with --labels")
 
     em_stack = open_stack(em, "--em")
-    label_stack = None
-    crop_list: list[tuple[str, int, int]] = []
+    label_stack, crop_list = None, []
     if labels is not None:
-        label_stack = open_stack(labels, "--labels")
-        if len(label_stack) != len(em_stack):
-            raise ImageStackError(
-                f"--labels has {len(label_stack)} images but --em has {len(em_stack)} sections "
-                f"(first label {label_stack.sections[0]}, first EM {em_stack.sections[0]}); give "
-                "one label image per EM section, in the same order")
-        if label_stack.shape != em_stack.shape:
-            raise ImageStackError(
-                f"--labels: {label_stack.sections[0]} is {label_stack.shape[1]} x "
-                f"{label_stack.shape[0]} pixels (x, y) but the EM sections "
-                f"({em_stack.sections[0]}) are {em_stack.shape[1]} x {em_stack.shape[0]}; labels "
-                "must cover the EM pixel for pixel")
-        crop_list = [parse_crop(c) for c in crops] if crops else [("crop1", 0, len(em_stack) - 1)]
-        check_crops(crop_list, len(em_stack))
-        _check_crop_names_free(out, name, [c[0] for c in crop_list])
-        _check_value_map(value_map, label_stack.dtype)
-        size = int(np.iinfo(label_stack.dtype).max) + 1
-        claimed = value_map.background.table(size) | value_map.unknown.table(size)
-        for values in value_map.classes.values():
-            claimed |= values.table(size)
-        unclaimed = _unclaimed_values(label_stack, crop_list, claimed)
-        if unclaimed:
-            listing = "; ".join(f"value {v} in sections {_sections_text(s)}"
-                                for v, s in sorted(unclaimed.items()))
-            v = min(unclaimed)
-            raise ImageStackError(
-                f"--labels: label values that no class claims: {listing}. Add each to a class "
-                f"(--class NAME={v}), to --background {v} (absent for every class) or to "
-                f"--unknown {v} (not annotated)")
+        label_stack, crop_list = _open_labels(labels, em_stack, crops, value_map, out, name)
 
     import zarr
 

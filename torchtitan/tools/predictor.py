@@ -63,7 +63,6 @@ covering the box, centred on it. Rows repeating a crop with the same box are mer
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -83,7 +82,7 @@ from torchtitan.cellmap.ome_ngff import (
     pyramid_steps,
     write_pyramid,
 )
-from torchtitan.checkpoint import CheckpointError, complete_steps, load_model_weights
+from torchtitan.checkpoint_reading import complete_steps, load_model_weights
 from torchtitan.config_manager import ConfigManager
 from torchtitan.convert import load_pth_state_dict
 from torchtitan.datasets.cellmap import (
@@ -95,11 +94,17 @@ from torchtitan.datasets.cellmap import (
     set_em_ranges,
 )
 from torchtitan.datasets.samples import crop_grid, normalize_em
-from torchtitan.errors import ConfigError
-from torchtitan.inference import block_shape_for_budget, predict_blockwise, resolve_planes
-from torchtitan.models import predict_probabilities, resolve_attention_backend, use_attention
+from torchtitan.errors import CheckpointError, ConfigError
+from torchtitan.inference import VolumePredictor, block_shape_for_budget, resolve_planes
+from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.postprocess import PostProcessing, clean_mask, separate_instances
+from torchtitan.tools.prediction_store import (
+    COMPLETE_ATTR,
+    OWNER_ATTR,
+    check_output_store,
+    region_finished,
+)
 from torchtitan.tools.submission import SUBMISSION_ATTR
 
 logger = logging.getLogger(__name__)
@@ -114,6 +119,7 @@ class Region:
     source: EMSource
     origin: np.ndarray  # nm, corner of voxel 0
     shape: tuple[int, int, int]
+    voxel_size: np.ndarray  # nm, the model's grid (data.voxel_size)
 
 
 def load_run_config(checkpoint: str, config: str | None):
@@ -179,7 +185,7 @@ def regions(sources: list[EMSource], voxel_size, dataset: str | None, roi: str |
             for c in s.crops:
                 if wanted is None or c.name in wanted or c.full_name in wanted:
                     origin, shape = crop_grid(c, v)
-                    out.append(Region(c.name, s, origin, shape))
+                    out.append(Region(c.name, s, origin, shape, v))
         if not out:
             raise DatasetError(f"--crops {crops!r} matches no label crop; available: "
                                + ", ".join(c.full_name for s in sources for c in s.crops))
@@ -200,7 +206,7 @@ def regions(sources: list[EMSource], voxel_size, dataset: str | None, roi: str |
                                f"({lo.tolist()}..{hi.tolist()} nm)")
         lo, hi = rlo, rhi
     shape = tuple(int(max(1, np.floor((b - a) / s + 1e-6))) for a, b, s in zip(lo, hi, v))
-    return [Region(dataset, source, lo, shape)]  # type: ignore[arg-type]
+    return [Region(dataset, source, lo, shape, v)]  # type: ignore[arg-type]
 
 
 MANIFEST_COLUMNS = ("crop_name", "dataset", "origin_z", "origin_y", "origin_x", "shape_z",
@@ -289,112 +295,9 @@ def manifest_regions(sources: list[EMSource], voxel_size, path: str) -> list[Reg
             raise DatasetError(f"--manifest: {crop.name} is in dataset {crop.dataset!r}, which is "
                                f"not under the data root; available: {', '.join(by_name)}")
         origin, shape = covering_grid(crop.box_min, crop.box_max, voxel_size)
-        out.append(Region(crop.name, by_name[crop.dataset], origin, shape))
+        out.append(Region(crop.name, by_name[crop.dataset], origin, shape,
+                          np.asarray(voxel_size, dtype=float)))
     return out
-
-
-COMPLETE_ATTR = "prediction_complete"
-# Set on the root and on every group predict.py creates (region and class groups) before
-# anything is written into them: predict.py writes only where it finds it (or, for stores of
-# earlier versions, the completion marker and the class groups' prediction attributes).
-OWNER_ATTR = "torchtitan_prediction"
-_CLASS_GROUP_ATTRS = ("multiscales", "voxel_size", "translation")  # what _write_group sets
-
-
-def _zarr_attrs(path: Path) -> dict | None:
-    """The attributes of the zarr group or array at ``path`` (format 2 or 3), or None when
-    ``path`` is no zarr node."""
-    try:
-        if (path / "zarr.json").is_file():
-            return json.loads((path / "zarr.json").read_text()).get("attributes", {}) or {}
-        if (path / ".zgroup").is_file() or (path / ".zarray").is_file():
-            attrs = path / ".zattrs"
-            return json.loads(attrs.read_text()) if attrs.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return None
-
-
-def _is_array(path: Path) -> bool:
-    if (path / ".zarray").is_file():
-        return True
-    try:
-        return json.loads((path / "zarr.json").read_text()).get("node_type") == "array"
-    except (OSError, ValueError):
-        return False
-
-
-def region_finished(out: str, name: str) -> bool:
-    """Whether ``out/<name>`` holds a finished prediction (its completion marker is set)."""
-    return bool((_zarr_attrs(Path(out) / name) or {}).get(COMPLETE_ATTR))
-
-
-def _inside_store(path: Path) -> Path | None:
-    """The zarr group or array that ``path`` would be written into, if any of its parents is
-    one."""
-    for parent in path.resolve().parents:
-        if _zarr_attrs(parent) is not None:
-            return parent
-    return None
-
-
-def _not_ours(path: Path, flag: str, why: str) -> ConfigError:
-    return ConfigError(
-        f"{flag} {path}: {why}; predict.py writes only into stores it created, and never into "
-        "another (not with --overwrite either): choose a new path")
-
-
-def check_output_store(out: str, regions: list[str], flag: str = "--out",
-                       owner: str = OWNER_ATTR) -> None:
-    """Refuse to write ``out`` unless it is new, an empty folder, or a store predict.py made:
-    an existing file, a path inside another zarr store (a dataset's ``em/`` or ``labels/``
-    groups), a folder or zarr store predict.py did not write, and, inside its own store, a
-    region or class group without the prediction attributes (or holding anything else) are
-    errors naming them. Read-only: checked on every rank before any work."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {out} is an existing file, not a zarr store; give a new path "
-                          f"(a folder, e.g. {path.with_suffix('.zarr')})")
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK):
-        raise ConfigError(f"{flag} {out}: {existing} is not writable; choose a path in a folder "
-                          "you can write")
-    store = _inside_store(path)
-    if store is not None:
-        inner = path.resolve().relative_to(store).parts
-        named = [p for p in (store.name, *inner) if p in ("em", "labels")]
-        what = f" (inside its {named[0]}/ group: a dataset's data)" if named else ""
-        raise _not_ours(path, flag, f"lies inside the zarr store {store}{what}")
-    if not path.exists() or not any(path.iterdir()):
-        return
-    attrs = _zarr_attrs(path)
-    if attrs is None:
-        raise _not_ours(path, flag, "is a folder that is not a zarr store and not empty")
-    children = [c for c in path.iterdir() if c.is_dir()]
-    legacy = owner == OWNER_ATTR and children and all(
-        COMPLETE_ATTR in (_zarr_attrs(c) or {}) for c in children)
-    if not attrs.get(owner) and not legacy:
-        raise _not_ours(path, flag, f"is a zarr store that predict.py did not write (no "
-                                    f"'{owner}' attribute)")
-    if owner != OWNER_ATTR:
-        return
-    for name in regions:
-        group = path / name
-        if not group.exists():
-            continue
-        g_attrs = _zarr_attrs(group)
-        if g_attrs is None or _is_array(group) or not (OWNER_ATTR in g_attrs
-                                                       or COMPLETE_ATTR in g_attrs):
-            raise _not_ours(group, flag, "was not written by predict.py (no prediction "
-                                         "attributes)")
-        for child in sorted(group.iterdir()):
-            if child.name.startswith(".") or child.name == "zarr.json":
-                continue
-            c_attrs = _zarr_attrs(child)
-            if c_attrs is None or _is_array(child) or not (
-                    OWNER_ATTR in c_attrs or all(k in c_attrs for k in _CLASS_GROUP_ATTRS)):
-                raise _not_ours(child, flag, "holds data predict.py did not write (no "
-                                             "prediction attributes)")
 
 
 def plan_regions(todo: list[Region], out: str, overwrite: bool) -> list[Region]:
@@ -464,145 +367,167 @@ def inference_options(cfg, args) -> tuple[bool, str, float]:
 
 
 def predict_regions(args) -> list[str]:
-    """Run the whole prediction described by the parsed ``predict.py`` arguments."""
-    import zarr
-
+    """Run the whole prediction described by the parsed ``predict.py`` arguments: the run's
+    config, the regions to predict, the checked outputs, the model's volume predictor, then
+    each region into ``--out`` and, last, the submission."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_run_config(args.checkpoint, args.config)
     if args.data:
         cfg.data.dataset_path = args.data
-    from torchtitan.tasks import SegmentationTask
-
-    task = SegmentationTask(cfg)
-    classes = list(cfg.data.classes)
-    inf = cfg.inference
     tta, planes, threshold = inference_options(cfg, args)
     sources = discover(cfg.data.dataset_path)
     set_em_ranges(sources, cfg.data.em_range)
+    todo = requested_regions(args, sources, cfg.data.voxel_size)
+    requested = [r.name for r in todo]
+    check_outputs(args, requested)
+    todo = plan_regions(todo, args.out, args.overwrite)
+    predictor = build_predictor(args, cfg, tta, planes, world)
+    if rank == 0:
+        logger.info("predicting %d region(s): window %s, overlap %s, %s blending, tta_flips=%s, "
+                    "planes=%s, threshold %s", len(todo), "x".join(map(str, predictor.window)),
+                    predictor.overlap, predictor.blend, tta, planes, threshold)
+    root = open_output(args.out, args.checkpoint, rank)
+    post = PostProcessing.from_config(cfg.inference)
+    classes = list(cfg.data.classes)
+    written = [predict_region(predictor, root, region, classes, args, threshold, post, rank, world)
+               for region in todo]
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if args.submission and rank == 0:  # after the other ranks are done, so none waits on an error
+        written += _write_submission(args, cfg, sources, requested, list(cfg.data.classes))
+    return written
+
+
+def requested_regions(args, sources: list[EMSource], voxel_size) -> list[Region]:
+    """The regions the arguments name: a manifest's crops, or label crops, a dataset or an ROI."""
     if args.manifest:
         if args.crops or args.dataset or args.roi:
             raise ConfigError("--manifest predicts the crops it lists; leave out --crops, "
                               "--dataset and --roi")
-        todo = manifest_regions(sources, cfg.data.voxel_size, args.manifest)
-    else:
-        todo = regions(sources, cfg.data.voxel_size, args.dataset, args.roi, args.crops)
-    submission = getattr(args, "submission", None)
-    if submission and not (args.manifest or args.crops):
+        return manifest_regions(sources, voxel_size, args.manifest)
+    return regions(sources, voxel_size, args.dataset, args.roi, args.crops)
+
+
+def check_outputs(args, requested: list[str]) -> None:
+    """``--out`` (and ``--submission``) are ours to write, before any work, on every rank."""
+    if args.submission and not (args.manifest or args.crops):
         raise ConfigError("--submission writes test crops: give them with --manifest (the "
                           "challenge's test-crop manifest) or --crops")
-    requested = [r.name for r in todo]
     check_output_store(args.out, requested)
-    if submission:
-        check_output_store(submission, [], "--submission", SUBMISSION_ATTR)
-        if Path(submission).resolve() == Path(args.out).resolve():
-            raise ConfigError(f"--submission {submission} is --out: give it a path of its own")
-    todo = plan_regions(todo, args.out, getattr(args, "overwrite", False))
-    if rank == 0:
-        for region in todo:
-            if (Path(args.out) / region.name).exists():
-                logger.info("%s/%s is unfinished (no completion marker): predicting it again "
-                            "from its start", args.out, region.name)
+    if args.submission:
+        check_output_store(args.submission, [], "--submission", SUBMISSION_ATTR)
+        if Path(args.submission).resolve() == Path(args.out).resolve():
+            raise ConfigError(f"--submission {args.submission} is --out: give it a path of "
+                              "its own")
+
+
+def build_predictor(args, cfg, tta: bool, planes: str, world: int) -> VolumePredictor:
+    """The trained model on this rank's device (the process group joined under torchrun),
+    as a volume predictor with the run's window plan and the arguments' overrides."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         init_process_group(device, cfg.comm.init_timeout_seconds)
-    model = task.build_model()
+    from torchtitan.tasks import SegmentationTask
+
+    model = SegmentationTask(cfg).build_model()
     use_attention(model, resolve_attention_backend(cfg.model.attention, device))
     load_weights(model, args.checkpoint)
     model.to(device).eval()
-    use_bf16 = device.type == "cuda"
-    v = np.asarray(cfg.data.voxel_size, dtype=float)
-    window = tuple(cfg.model.crop_size)
-    # The extent of the windows along each axis, over every tiling: blocks are multiples of
-    # it, so that few windows straddle two blocks (and are predicted twice).
-    if len(window) == 3:
-        window3 = window
-    elif planes == "zyx":  # (1, h, w), (h, 1, w) and (h, w, 1) windows
-        window3 = (window[0], max(window), window[1])
-    else:
-        window3 = (1, *window)
+    return VolumePredictor.from_config(model, cfg, device, tta_flips=tta, planes=planes,
+                                       batch_size=args.batch_size,
+                                       bf16=device.type == "cuda", inference_mode=True)
 
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        # inference_mode: less per-op bookkeeping than no_grad (~10% for small ViTs on CPU);
-        # safe here, where the model is never trained afterwards.
-        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16,
-                                                    enabled=use_bf16):
-            return predict_probabilities(model(x.to(device)).float(), cfg.model.loss)
 
+def open_output(out: str, checkpoint: str, rank: int):
+    """The output store's root on rank 0, marked as ours; None on the other ranks (ranks
+    creating the same group at once race: only rank 0 creates groups and metadata)."""
+    if rank != 0:
+        return None
+    import zarr
+
+    root = zarr.open_group(out, mode="a", zarr_format=2)
+    root.attrs[OWNER_ATTR] = {"checkpoint": str(checkpoint)}
+    return root
+
+
+def region_arrays(root, region: Region, classes: list[str], out: str, dtype: str, chunks,
+                  rank: int, world: int) -> dict:
+    """Each class's ``s0`` array of ``region``: created (unfinished) by rank 0, opened by the
+    other ranks after a barrier."""
+    arrays = {}
     if rank == 0:
-        logger.info("predicting %d region(s): window %s, overlap %s, %s blending, tta_flips=%s, "
-                    "planes=%s, threshold %s", len(todo), "x".join(map(str, window)), inf.overlap,
-                    inf.blend, tta, planes, threshold)
-    # Only rank 0 creates groups and metadata (ranks creating the same group at once race);
-    # the others open the arrays after a barrier.
-    root = None
-    if rank == 0:
-        root = zarr.open_group(args.out, mode="a", zarr_format=2)
-        root.attrs[OWNER_ATTR] = {"checkpoint": str(args.checkpoint)}
-    written = []
-    # Buffers per voxel of a block: the outputs, plus their running sum with three tilings.
-    buffers = len(classes) * (2 if planes == "zyx" else 1)
-    for region in todo:
-        block = block_shape_for_budget(region.shape, window3, buffers, args.max_block_mb * 2**20)
-        block, chunks = view_chunking(block, region.shape)
-        level = region.source.levels[closest_level(region.source.levels, v)]
-
-        def read_input(lo, hi, region=region, level=level):
-            origin = region.origin + np.asarray(lo) * v
-            img, inside = read_linear(level, origin, v, tuple(h - l for l, h in zip(lo, hi)))
-            img = normalize_em(em_to_uint8_scale(img, region.source, level.path, inside))
-            img[~inside] = 0.0  # outside the EM volume: zero, as sliding_window pads
-            return torch.from_numpy(img)[None]
-
-        dtype = "float32" if args.probabilities else "uint8"
-        arrays = {}
-        if rank == 0:
-            root.require_group(region.name).attrs.update({OWNER_ATTR: True, COMPLETE_ATTR: False})
-            for cls in classes:
-                arrays[cls] = _write_group(root, region, cls, v, dtype, chunks)
-        if world > 1:
-            dist.barrier()
-        if rank != 0:
-            arrays = {cls: zarr.open_array(f"{args.out}/{region.name}/{cls}/s0", mode="r+")
-                      for cls in classes}
-
-        def write_block(lo, hi, probs, arrays=arrays):
-            box = tuple(slice(l, h) for l, h in zip(lo, hi))
-            for k, cls in enumerate(classes):
-                p = probs[k].numpy()
-                arrays[cls][box] = p if args.probabilities else (p > threshold).astype(np.uint8)
-
-        bar = None
-        if rank == 0 and args.progress:
-            from tqdm import tqdm
-
-            n = int(np.prod([-(-s // b) for s, b in zip(region.shape, block)]))
-            bar = tqdm(total=-(-n // world), desc=f"{region.name}", unit="block")
-        predict_blockwise(predict, read_input, write_block, region.shape, window, len(classes),
-                          overlap=inf.overlap, blend=inf.blend,
-                          batch_size=args.batch_size or inf.batch_size,
-                          block_shape=block, rank=rank, world_size=world,
-                          progress=bar.update if bar else None, tta_flips=tta, planes=planes,
-                          voxel_size=v)
-        if bar is not None:
-            bar.close()
-        if world > 1:
-            dist.barrier()
-        post = PostProcessing.from_config(inf)
-        if rank == 0 and not args.probabilities and (args.instances or post.enabled):
-            _postprocess_masks(root, region, classes, v, chunks, post, args.instances)
-        if rank == 0:  # viewer levels, from the finished s0 (masks and ids: mode)
-            write_pyramids(root, region, classes, "mean" if args.probabilities else "mode",
-                           getattr(args, "pyramid_levels", 0), v)
-        if rank == 0:  # after every rank's blocks (barrier above) and the instances
-            root.require_group(region.name).attrs[COMPLETE_ATTR] = True
-        written.append(f"{args.out}/{region.name}")
+        root.require_group(region.name).attrs.update({OWNER_ATTR: True, COMPLETE_ATTR: False})
+        for cls in classes:
+            arrays[cls] = _write_group(root, region, cls, region.voxel_size, dtype, chunks)
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
-    if submission and rank == 0:  # after the other ranks are done, so none waits on an error
-        written += _write_submission(args, cfg, sources, requested, classes)
-    return written
+    if rank != 0:
+        import zarr
+
+        arrays = {cls: zarr.open_array(f"{out}/{region.name}/{cls}/s0", mode="r+")
+                  for cls in classes}
+    return arrays
+
+
+def region_reader(region: Region):
+    """``read_input(lo, hi)`` of the region's EM on the model's grid, normalised as in
+    training; zero outside the EM volume, as the sliding window pads."""
+    v = region.voxel_size
+    level = region.source.levels[closest_level(region.source.levels, v)]
+
+    def read_input(lo, hi):
+        origin = region.origin + np.asarray(lo) * v
+        img, inside = read_linear(level, origin, v, tuple(h - l for l, h in zip(lo, hi)))
+        img = normalize_em(em_to_uint8_scale(img, region.source, level.path, inside))
+        img[~inside] = 0.0
+        return torch.from_numpy(img)[None]
+
+    return read_input
+
+
+def predict_region(predictor: VolumePredictor, root, region: Region, classes: list[str], args,
+                   threshold: float, post: PostProcessing, rank: int, world: int) -> str:
+    """Predict one region into ``--out`` block by block (blocks dealt out to the ranks), then
+    post-process, build the viewer pyramid and mark it finished (rank 0)."""
+    v = region.voxel_size
+    buffers = len(classes) * (2 if predictor.planes == "zyx" else 1)  # outputs (+ running sum)
+    block = block_shape_for_budget(region.shape, predictor.block_window(), buffers,
+                                   args.max_block_mb * 2**20)
+    block, chunks = view_chunking(block, region.shape)
+    if rank == 0 and (Path(args.out) / region.name).exists():
+        logger.info("%s/%s is unfinished (no completion marker): predicting it again from its "
+                    "start", args.out, region.name)
+    dtype = "float32" if args.probabilities else "uint8"
+    arrays = region_arrays(root, region, classes, args.out, dtype, chunks, rank, world)
+
+    def write_block(lo, hi, probs):
+        box = tuple(slice(l, h) for l, h in zip(lo, hi))
+        for k, cls in enumerate(classes):
+            p = probs[k].numpy()
+            arrays[cls][box] = p if args.probabilities else (p > threshold).astype(np.uint8)
+
+    bar = None
+    if rank == 0 and args.progress:
+        from tqdm import tqdm
+
+        n = int(np.prod([-(-s // b) for s, b in zip(region.shape, block)]))
+        bar = tqdm(total=-(-n // world), desc=f"{region.name}", unit="block")
+    predictor.predict_blockwise(region_reader(region), write_block, region.shape, block, rank,
+                                world, progress=bar.update if bar else None)
+    if bar is not None:
+        bar.close()
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        if not args.probabilities and (args.instances or post.enabled):
+            _postprocess_masks(root, region, classes, v, chunks, post, args.instances)
+        write_pyramids(root, region, classes, "mean" if args.probabilities else "mode",
+                       args.pyramid_levels, v)  # viewer levels from the finished s0
+        # After every rank's blocks (barrier above) and the instances.
+        root.require_group(region.name).attrs[COMPLETE_ATTR] = True
+    return f"{args.out}/{region.name}"
 
 
 def _write_submission(args, cfg, sources, names: list[str], classes: list[str]) -> list[str]:
