@@ -30,7 +30,7 @@ import sys
 
 from torchtitan.config_manager import POSITIVE, flag_type
 from torchtitan.errors import USER_ERROR_EXIT, UserError
-from torchtitan.metrics import report_user_error, setup_logging
+from torchtitan.logging_metrics import report_user_error, setup_logging
 
 # OME-NGFF levels s0.. of each output group: 0 = automatic; a pyramid halves each level, so
 # more levels than a 64-bit volume's sides can halve are a mistake.

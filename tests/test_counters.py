@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.config_manager import ConfigManager
 from torchtitan.datasets.batch import Batch
-from torchtitan.metrics import PEAK_FLOPS, Throughput, matmul_precision, peak_flops
+from torchtitan.logging_metrics import PEAK_FLOPS, Throughput, matmul_precision, peak_flops
 from torchtitan.tasks.mae import MAETask
 
 

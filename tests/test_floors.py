@@ -189,7 +189,7 @@ FLOORS = {
     f"{PACKAGE}.checkpoint_reading": 4,  # step folders, stored keys, model weights
     f"{PACKAGE}.launch_history": 4,  # a run's resolved configs, resume check (beside checkpoint)
     f"{PACKAGE}.optimizer": 4,
-    f"{PACKAGE}.metrics": 4,
+    f"{PACKAGE}.logging_metrics": 4,
     f"{PACKAGE}.inference": 4,
     f"{PACKAGE}.convert": 4,  # .pth -> DCP seed checkpoints (beside checkpoint)
     f"{PACKAGE}.preemption": 5,

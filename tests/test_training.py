@@ -154,7 +154,7 @@ def _fails_with(result, *fragments):
 
 _ERROR_SCRIPT = """
 import os, sys, time
-from torchtitan.metrics import report_user_error
+from torchtitan.logging_metrics import report_user_error
 
 rank = int(os.environ["RANK"])
 delay = float(sys.argv[1 + rank])  # seconds before this rank fails; < 0: it never fails

@@ -36,7 +36,7 @@ from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, CheckpointError, ConfigError, UserError
 from torchtitan.launch_history import check_resume_compatible, save_launch_config
-from torchtitan.metrics import MetricLogger, Throughput, report_user_error, setup_logging
+from torchtitan.logging_metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError

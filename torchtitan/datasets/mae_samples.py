@@ -14,7 +14,7 @@ from torchtitan.datasets.augment import nearest_from_geometry
 from torchtitan.datasets.batch import Sample
 from torchtitan.datasets.cellmap import EMSource
 from torchtitan.cellmap.grids import grid_origin_snapped
-from torchtitan.datasets.samples import Box, SampleDataset, read_em
+from torchtitan.datasets.samples import SampleArrays, SampleDataset, read_em
 
 # Foreground filter: draws per sample before the best one is kept.
 FOREGROUND_DRAWS = 16
@@ -72,9 +72,9 @@ class MAESamples(SampleDataset):
         self.foreground_threshold = float(foreground_threshold)
         self.em_uint8 = self._ships_raw_em(sources)
 
-    def _read(self, source: EMSource, origin, shape) -> Box:
+    def _read(self, source: EMSource, origin, shape) -> SampleArrays:
         image, inside = read_em(source, self.voxel_size, origin, shape, raw=self.em_uint8)
-        return Box(image[None], valid=inside[None].view(np.uint8))
+        return SampleArrays(image[None], valid=inside[None].view(np.uint8))
 
     def _draw_once(self, rng: np.random.Generator):
         normal = self._draw_normal(rng)
@@ -85,7 +85,7 @@ class MAESamples(SampleDataset):
         origin = grid_origin_snapped(level, self.voxel_size, lo + rng.random(3) * (hi - lo))
         return self._geometry(rng, level, origin, normal, lambda o, s: self._read(source, o, s))
 
-    def _foreground(self, box: Box) -> float:
+    def _foreground(self, box: SampleArrays) -> float:
         """Foreground fraction of a drawn sample's EM (nearest neighbour when the EM is still
         to be resampled on the device)."""
         image = box.image

@@ -25,7 +25,7 @@ One sample is made in four steps:
 MAE samples (``mae_samples.py``) are made the same way, without labels.
 
 Items are :class:`~torchtitan.datasets.batch.Sample` objects, arrays (C, *spatial). While a
-sample is made its arrays travel as a :class:`Box` (numpy, on the host).
+sample is made its arrays travel as a :class:`SampleArrays` (numpy, on the host).
 
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
 ``(seed, g, attempt)``; the sample's ``resampled`` field counts the replacements.
@@ -161,7 +161,7 @@ def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
 
 
 @dataclass
-class Box:
+class SampleArrays:
     """The arrays of one box on the host while a sample is made, (C, *spatial) each.
 
     ``image`` is EM (interpolated linearly when rotated or zoomed); everything else is moved
@@ -178,11 +178,12 @@ class Box:
     geometry: np.ndarray | None = None
     label_axes: np.ndarray | None = None
 
-    def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "Box":
+    def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "SampleArrays":
         """``fn`` applied to every array (EM, masks, label values)."""
-        return Box(fn(self.image), None if self.valid is None else fn(self.valid),
-                   None if self.target is None else fn(self.target),
-                   {g: fn(a) for g, a in self.labels.items()}, self.geometry, self.label_axes)
+        return SampleArrays(fn(self.image), None if self.valid is None else fn(self.valid),
+                            None if self.target is None else fn(self.target),
+                            {g: fn(a) for g, a in self.labels.items()}, self.geometry,
+                            self.label_axes)
 
 
 def em_level(source: EMSource, voxel_size) -> ScaleLevel:
@@ -223,19 +224,19 @@ class CropReader:
         return {"image": box.image, "target": box.target, "valid": box.valid}
 
     def read_stored(self, crop: LabelCrop, groups: list[str], origin, shape,
-                    raw_em: bool) -> Box:
+                    raw_em: bool) -> SampleArrays:
         """EM and the stored values of every label group the classes need ((1, *shape) each;
         outside the crop they read as the group's unknown value)."""
         image, _ = read_em(self.by_name[crop.dataset], self.voxel_size, origin, shape, raw=raw_em)
         labels = {g: read_raw(crop, g, origin, self.voxel_size, shape)[None] for g in groups}
-        return Box(image[None], labels=labels)
+        return SampleArrays(image[None], labels=labels)
 
-    def compose(self, crop: LabelCrop, box: Box, shape) -> Box:
+    def compose(self, crop: LabelCrop, box: SampleArrays, shape) -> SampleArrays:
         """The box with its label values replaced by the targets and validity of the classes
         (spatial ``shape``)."""
         raw = {g: a[0] for g, a in box.labels.items()}
         target, valid = compose_targets(crop, self.classes, raw, shape)
-        return Box(box.image, valid, target, {}, box.geometry, box.label_axes)
+        return SampleArrays(box.image, valid, target, {}, box.geometry, box.label_axes)
 
 
 class SampleDataset(Dataset):
@@ -311,11 +312,11 @@ class SampleDataset(Dataset):
         return tuple(a for a in range(3) if self.ndim == 3 or a != normal)
 
     def _geometry(self, rng: np.random.Generator, level: ScaleLevel, origin, normal: int,
-                  reader: Callable[[np.ndarray, tuple], Box],
+                  reader: Callable[[np.ndarray, tuple], SampleArrays],
                   fills: dict[str, float] | None = None):
         """Draw the augmentation plan and read the box at ``origin`` with it applied.
 
-        ``reader(origin, shape)`` returns a :class:`Box` of 3D arrays (C, D, H, W). Returns
+        ``reader(origin, shape)`` returns a :class:`SampleArrays` of 3D arrays (C, D, H, W). Returns
         the box in the sample's frame (C, *crop_size), possibly as strided views (flips and
         transposes are not copied), the plan and the frame's voxel size.
 
@@ -355,9 +356,9 @@ class SampleDataset(Dataset):
             return resample(a, matrix, out_shape, shift[keep], order=0, cval=fill)
 
         # Every other array by nearest neighbour, here.
-        moved = Box(image, None if read.valid is None else nearest(read.valid, 0),
-                    None if read.target is None else nearest(read.target, 0),
-                    {g: nearest(a, fills.get(g, 0)) for g, a in read.labels.items()})
+        moved = SampleArrays(image, None if read.valid is None else nearest(read.valid, 0),
+                             None if read.target is None else nearest(read.target, 0),
+                             {g: nearest(a, fills.get(g, 0)) for g, a in read.labels.items()})
         if self.host_geometry:
             moved.image = resample(image, matrix, out_shape, shift[keep], order=1, cval=-1.0)
             return moved.map(lambda a: apply_flips(a, plan)), plan, vox
@@ -372,7 +373,7 @@ class SampleDataset(Dataset):
         moved.label_axes = axis_map(plan, out_shape)
         return moved, plan, vox
 
-    def _finish(self, box: Box, plan, vox, rng) -> Sample:
+    def _finish(self, box: SampleArrays, plan, vox, rng) -> Sample:
         """The sample of a finished box; draws the intensity changes (made on the device by
         ``augment.augment_on_device``)."""
         sample = Sample(image=_tensor(box.image), valid=_tensor(box.valid),
