@@ -63,13 +63,14 @@ def _commands_run_from_anywhere(python: Path, where: Path, extra: list[list[str]
 
 def test_requirements_install_the_project_with_its_pinned_dependencies():
     """requirements.txt is the project itself (editable, test extra); pyproject.toml holds
-    the pins: the runtime list and the test extra, every one exact."""
+    the pins: the runtime list, the test extra and the benchmarks' extra, every one exact."""
     lines = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     assert lines == ["-e .[test]"]
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "dependencies" not in project.get("dynamic", [])
-    pins = project["dependencies"] + project["optional-dependencies"]["test"]
+    extras = project["optional-dependencies"]
+    pins = project["dependencies"] + extras["test"] + extras["bench"]
     assert all("==" in p for p in pins), pins
     assert "torch==2.13.0" in project["dependencies"]
     names = {p.split("==")[0].split("[")[0] for p in pins}
