@@ -373,3 +373,24 @@ def test_task_passes_head_image_levels():
     m.backbone, m.patch_size, m.crop_size = "vit_debug", 8, [16, 16]
     m.head, m.head_image_levels = "multiscale", 4
     assert SegmentationTask(cfg).build_model().head.image_levels == 4
+
+
+@pytest.mark.parametrize("shape,size", [((2, 4, 6, 6, 6), (96, 96, 96)),
+                                        ((1, 3, 4, 3, 2), (16, 12, 8)),  # up, per axis
+                                        ((1, 2, 6, 6, 6), (4, 9, 6)),  # down, up, same
+                                        ((2, 4, 5, 7), (40, 56))])  # bilinear
+def test_resize_linear_matches_interpolate_forward_and_backward(shape, size):
+    from torchtitan.models.segmentation import resize_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(shape, requires_grad=True)
+    mode = "trilinear" if len(size) == 3 else "bilinear"
+    ref = F.interpolate(x, size=size, mode=mode, align_corners=False)
+    ours = resize_linear(x, size)
+    assert ours.shape == ref.shape and ours.is_contiguous()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-6)
+    grad = torch.randn_like(ref)
+    ref_grad, = torch.autograd.grad(ref, x, grad)
+    our_grad, = torch.autograd.grad(ours, x, grad)
+    # Each input gathers hundreds of terms: compare relative to the largest gradient.
+    assert (our_grad - ref_grad).abs().max() <= 2e-5 * ref_grad.abs().max()

