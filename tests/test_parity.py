@@ -41,9 +41,12 @@ def _same(reference, other, name):
 SEG = "train_configs/debug_segmentation_2d.toml"
 SHARD1 = ["--training.data_parallel_shard_degree", "1"]
 
+# DDP and FSDP run in CI with activation checkpointing (the cases below them) and in the other
+# configs' cases (without it); alone, on this config, in the slow suite.
 CASES = {
-    "ddp2": (2, [*SHARD1, "--training.data_parallel_replicate_degree", "2"]),
-    "fsdp2": (2, []),
+    "ddp2": pytest.param(2, [*SHARD1, "--training.data_parallel_replicate_degree", "2"],
+                         marks=pytest.mark.slow),
+    "fsdp2": pytest.param(2, [], marks=pytest.mark.slow),
     "fsdp2_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
     "ddp2_ac_every2": (2, [*SHARD1, "--training.data_parallel_replicate_degree", "2",
                            "--activation_checkpoint.mode", "selective",
@@ -60,10 +63,9 @@ def single(demo_data, tmp_path_factory):
     return _run(SEG, demo_data, tmp_path_factory.mktemp("parity") / "single", 0)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_segmentation_losses_match_single_process(single, demo_data, tmp_path, name):
-    nproc, extra = CASES[name]
-    _same(single, _run(SEG, demo_data, tmp_path / name, nproc, *extra), name)
+@pytest.mark.parametrize("nproc,extra", list(CASES.values()), ids=list(CASES))
+def test_segmentation_losses_match_single_process(single, demo_data, tmp_path, nproc, extra):
+    _same(single, _run(SEG, demo_data, tmp_path / "run", nproc, *extra), str(extra))
 
 
 def test_mae_losses_match_single_process_under_fsdp_with_ac(demo_data, tmp_path):
@@ -209,10 +211,12 @@ def test_other_configs_match_single_process(demo_data, tmp_path, cfg, nproc, ext
 
 # -- the multiscale head (convolutional decoder with image skips at 1, 1/2, 1/4) -------------------
 MULTISCALE = ["--model.head", "multiscale", "--model.head_channels", "32", *DEBUG]
+# The 2D debug config's own head is the multiscale one: the cases above run it in CI under
+# FSDP, DDP, HSDP and TP (with its default head_channels), so these 2D cases are slow only.
 MULTISCALE_CASES = {
-    "fsdp2": (SEG, 2, []),
-    "ddp2": (SEG, 2, DDP2),
-    "tp2": (SEG, 2, TP2),
+    "fsdp2": pytest.param(SEG, 2, [], marks=slow),
+    "ddp2": pytest.param(SEG, 2, DDP2, marks=slow),
+    "tp2": pytest.param(SEG, 2, TP2, marks=slow),
     "seg3d_fsdp2_tp2": pytest.param(SEG3D, 4, TP2, marks=slow),
     "seg3d_ddp2_ac_full": pytest.param(SEG3D, 2, [*DDP2, *AC_FULL], marks=slow),
 }

@@ -185,6 +185,7 @@ def test_sigusr1_to_one_worker_saves_and_requeues(demo_data, tmp_path, straight)
     _preempt(demo_data, tmp_path, straight, "worker", signal.SIGUSR1)
 
 
+@pytest.mark.slow  # CI: SIGUSR1 to a worker above, SIGUSR1 to the batch script (test_slurm_scripts)
 def test_sigterm_to_torchrun_saves_and_requeues(demo_data, tmp_path, straight):
     """torchrun forwards SIGTERM to its workers and waits --shutdown_timeout (30 s) for them
     before SIGKILL: enough for the step in flight and the save."""
@@ -342,6 +343,7 @@ def test_corrupt_validation_crop_is_skipped_and_counted(demo_data, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # CI: the whole job killed and started again; torchrun's restarts: the SLURM test
 def test_sigkill_of_one_worker_restarts_from_the_last_checkpoint(demo_data, tmp_path, straight):
     """--max_restarts 1: torchrun restarts both workers, which resume from step-3; the records
     of steps 4.. logged before the kill are dropped and logged again once."""
@@ -364,6 +366,7 @@ def _step_between_checkpoints(interval: int) -> int:
     return step
 
 
+@pytest.mark.slow  # CI: the whole job killed and started again (and killed mid-save)
 def test_one_rank_killed_and_started_again(demo_data, tmp_path, straight):
     """SIGKILL of one worker: torchrun (no restarts) stops the other and fails; the same
     command started again resumes from the last checkpoint, each step logged once."""
