@@ -211,6 +211,7 @@ def _kill_while_saving(cmd: list[str], ckpt: Path, timeout: float = 300) -> int 
             _kill_job(proc, workers)
 
 
+@pytest.mark.slow  # its 21.6M-parameter saves are long; CI kills and resumes: test_reliability_loop
 def test_sigkill_mid_save_leaves_a_tmp_folder_that_the_next_start_removes(demo_data, tmp_path):
     # A 21.6M-parameter backbone makes each save (weights + AdamW states) take long enough on
     # CPU for the kill to land inside it; the debug vit_tiny saves in a few milliseconds.

@@ -366,7 +366,7 @@ def _step_between_checkpoints(interval: int) -> int:
     return step
 
 
-@pytest.mark.slow  # CI: the whole job killed and started again (and killed mid-save)
+@pytest.mark.slow  # CI: the whole job killed and started again
 def test_one_rank_killed_and_started_again(demo_data, tmp_path, straight):
     """SIGKILL of one worker: torchrun (no restarts) stops the other and fails; the same
     command started again resumes from the last checkpoint, each step logged once."""
