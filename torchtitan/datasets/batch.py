@@ -1,5 +1,5 @@
 """The typed hand-offs of the data pipeline: one :class:`Sample` per global index, a
-:class:`Batch` after collation.
+:class:`Batch` after collation, and a whole validation crop as one :class:`CropVolume`.
 
 Shapes: a sample's arrays are (C, *spatial), a batch's (B, C, *spatial), with *spatial
 (H, W) in 2D and (D, H, W) in 3D. ``image`` has one channel per EM channel, ``target`` and
@@ -19,8 +19,9 @@ two steps::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
@@ -109,3 +110,21 @@ def collate(samples: list[Sample]) -> Batch:
             continue
         out[f.name] = default_collate(values)  # ints become an int64 tensor (B,)
     return Batch(**out)
+
+
+@dataclass
+class CropVolume:
+    """One whole label crop on the training grid, as validation predicts and scores it."""
+
+    image: torch.Tensor  # (C, D, H, W) float32 EM, normalised
+    target: torch.Tensor  # (K, D, H, W) bool: present, per class
+    valid: torch.Tensor  # (K, D, H, W) bool: annotated and not unknown, per class
+    origin: np.ndarray  # nm, corner of voxel 0 of the grid
+    # Instance classes stored with object ids, scored against those ids (touching instances
+    # stay apart), as the scoring command does: class name -> (D, H, W) ids.
+    instance_ids: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.image.shape[1:])
+

@@ -10,17 +10,16 @@ import torch.distributed as dist
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
-from torchtitan.datasets.batch import Batch
+from torchtitan.datasets.batch import Batch, CropVolume
 from torchtitan.datasets.samples import READ_ERRORS, CropReader, crop_grid
 from torchtitan.datasets.slices import SliceReader, build_slice_samples, load_slice_data
 from torchtitan.datasets.targets import annotates, read_instance_ids
 from torchtitan.evaluation import combine_scores, score_crop, validation_scores
-from torchtitan.inference import num_predict_calls, predict_volume
+from torchtitan.inference import VolumePredictor
 from torchtitan.models import (
     SegmentationModel,
     build_backbone,
     build_loss,
-    predict_probabilities,
     training_flops_per_sample,
 )
 from torchtitan.models.context import local_part
@@ -41,7 +40,7 @@ class SegmentationTask(TaskBase):
 
     def __init__(self, cfg, visuals: SegmentationVisuals | None = None):
         super().__init__(cfg, visuals)
-        self._val_cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._val_cache: dict[str, CropVolume] = {}
 
     # -- data -----------------------------------------------------------------------------------
 
@@ -88,26 +87,20 @@ class SegmentationTask(TaskBase):
 
     # -- validation -----------------------------------------------------------------------------
 
-    def _val_volume(self, crop) -> dict[str, torch.Tensor]:
+    def _val_volume(self, crop) -> CropVolume:
         """A whole validation crop on the training grid (cached: crops are small)."""
         if crop.full_name not in self._val_cache:
             origin, shape = crop_grid(crop, self.cfg.data.voxel_size)
             arrays = self.reader.read(crop, origin, shape)
-            vol = {
-                "image": torch.from_numpy(arrays["image"]),
-                "target": torch.from_numpy(arrays["target"] > 0),
-                "valid": torch.from_numpy(arrays["valid"] > 0),
-            }
-            # Instance classes stored with ids are scored against those ids (touching
-            # instances stay apart), as the scoring command does.
             ids = {}
             for name in self.cfg.data.classes:
                 if name in INSTANCE_CLASSES and not self.cfg.data.dataset_name:
                     stored = read_instance_ids(crop, name, origin, self.cfg.data.voxel_size, shape)
                     if stored is not None and stored.max(initial=0) > 1:
                         ids[name] = stored
-            vol["ids"] = ids
-            self._val_cache[crop.full_name] = vol
+            self._val_cache[crop.full_name] = CropVolume(
+                torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["target"] > 0),
+                torch.from_numpy(arrays["valid"] > 0), origin, ids)
         return self._val_cache[crop.full_name]
 
     def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
@@ -125,15 +118,9 @@ class SegmentationTask(TaskBase):
         post = PostProcessing.from_config(inf)
         classes = list(cfg.data.classes)
         mine = self.val_crops[ctx.dp_rank::ctx.dp_degree]
-        window = tuple(cfg.model.crop_size)
-        device = ctx.device
-
-        def predict(x: torch.Tensor) -> torch.Tensor:
-            return predict_probabilities(model(x.to(device)).float(), cfg.model.loss)
-
+        predictor = VolumePredictor.from_config(model, cfg, ctx.device)
         # Sharded models need the same number of forwards on every rank: count them first.
-        calls = sum(num_predict_calls(crop_grid(c, cfg.data.voxel_size)[1], window, inf.overlap,
-                                      inf.batch_size, planes=inf.planes) for c in mine)
+        calls = sum(predictor.forward_count(crop_grid(c, cfg.data.voxel_size)[1]) for c in mine)
         idle = most_forwards(calls, ctx) - calls
         per_crop, per_crop_post = [], []
         skipped = 0
@@ -145,17 +132,13 @@ class SegmentationTask(TaskBase):
                 # runs the crop's forwards (idle) so that sharded ranks stay in step.
                 logger.warning("validation crop %s skipped: %s", crop.full_name, e)
                 skipped += 1
-                idle += num_predict_calls(crop_grid(crop, cfg.data.voxel_size)[1], window,
-                                          inf.overlap, inf.batch_size, planes=inf.planes)
+                idle += predictor.forward_count(crop_grid(crop, cfg.data.voxel_size)[1])
                 continue
-            prob = predict_volume(predict, vol["image"], window, len(classes),
-                                  overlap=inf.overlap, blend=inf.blend, batch_size=inf.batch_size,
-                                  tta_flips=inf.tta_flips, planes=inf.planes,
-                                  voxel_size=cfg.data.voxel_size)
+            prob = predictor.predict_volume(vol.image)
             pred = (prob > inf.threshold).numpy()
-            target, valid = vol["target"].numpy(), vol["valid"].numpy()
+            target, valid = vol.target.numpy(), vol.valid.numpy()
             annotated = [k for k, name in enumerate(classes) if annotates(crop, name)]
-            truth = {classes[k]: vol.get("ids", {}).get(classes[k], target[k]) for k in annotated}
+            truth = {classes[k]: vol.instance_ids.get(classes[k], target[k]) for k in annotated}
             valid_by_class = {classes[k]: valid[k] for k in annotated}
             masks = {classes[k]: pred[k] for k in annotated}
             per_crop.append(score_crop(masks, truth, valid_by_class, cfg.data.voxel_size))
@@ -164,9 +147,7 @@ class SegmentationTask(TaskBase):
                                                 truth, valid_by_class, cfg.data.voxel_size))
             if ctx.writes_files and self.visuals is not None:
                 self._visualize(ctx, crop, vol, pred, classes)
-        dummy = torch.zeros((inf.batch_size, cfg.model.in_chans, *window))
-        for _ in range(idle):
-            predict(dummy)
+        predictor.idle_forwards(idle)
         if ctx.dp_group is not None:
             gathered: list = [None] * ctx.dp_degree
             dist.all_gather_object(gathered, (per_crop, per_crop_post, skipped), group=ctx.dp_group)
@@ -180,11 +161,11 @@ class SegmentationTask(TaskBase):
         scores["val/skipped_crops"] = float(skipped)
         return scores
 
-    def _visualize(self, ctx: ValidationContext, crop, vol, pred, classes) -> None:
+    def _visualize(self, ctx: ValidationContext, crop, vol: CropVolume, pred, classes) -> None:
         self.visuals(
             Path(self.cfg.job.dump_folder) / "visuals", crop.full_name, ctx.step,
-            vol["image"][0].numpy(), vol["target"].numpy(), pred, classes,
-            valid=vol["valid"].numpy(), writer=ctx.writer)
+            vol.image[0].numpy(), vol.target.numpy(), pred, classes,
+            valid=vol.valid.numpy(), writer=ctx.writer)
 
     def summary(self, scores: dict[str, float]) -> None:
         cfg = self.cfg
