@@ -25,6 +25,11 @@ Sections (--sections, all by default):
              ``sliding_window_inference`` on the same model, windows (128^3, overlap 0.25,
              Gaussian blending, the same weight map as in bench/inference.py), windows per
              forward and output placement (windows on the GPU, the volume on the host).
+  cp         context parallelism: ``bench/context_parallel.py`` on every GPU of the machine
+             (NCCL), the 3D segmentation ViT-L (patch 8, 256^2 slices of growing depth) with one
+             sample's tokens split in N slabs against one GPU: activation and peak memory per
+             rank, s/step, the longest sequence under one GPU's activation memory at the middle
+             length. Needs 2 or more GPUs (a row says so otherwise).
 
 Rows run in order until --budget-s seconds have passed; later rows say "skipped". --dry-run
 uses a 2-block 64-wide ViT, 32^3 crops, a few steps, a demo-data store in a temporary folder,
@@ -53,7 +58,7 @@ from torchtitan.models import (MaskedAutoencoder, SegmentationModel, build_backb
                                training_flops_per_sample, use_attention)
 from torchtitan.models.attention import _fa4_function, fa4_unavailable_reason
 
-SECTIONS = ("train", "loader", "inference")
+SECTIONS = ("train", "loader", "inference", "cp")
 MONAI_HINT = "pip install --no-deps monai==1.6.1 einops==0.8.1"
 NUM_CLASSES = 4
 
@@ -72,13 +77,18 @@ class Sizes:
     window: int
     volume: int  # edge of the cubic inference volume
     infer_batch: int
+    cp_args: tuple[str, ...] = ()  # sizes for bench/context_parallel.py
 
 
 FULL = Sizes({}, ((128, 8), (256, 2)), (256, 2), (0.75, 0.9), steps=6, warmup=2, gemm=8192,
-             loader_crop=128, loader_batches=16, window=128, volume=320, infer_batch=4)
+             loader_crop=128, loader_batches=16, window=128, volume=320, infer_batch=4,
+             cp_args=("--dim", "1024", "--depth", "24", "--heads", "16", "--patch", "8",
+                      "--side", "256", "--rows", "4,8,16", "--max-rows", "64", "--steps", "3"))
 DRY = Sizes({"embed_dim": 64, "depth": 2, "num_heads": 2}, ((32, 2),), (32, 2), (0.75, 0.9),
             steps=2, warmup=1, gemm=256, loader_crop=32, loader_batches=3, window=32,
-            volume=56, infer_batch=4)
+            volume=56, infer_batch=4,
+            cp_args=("--dim", "32", "--depth", "1", "--heads", "2", "--side", "16",
+                     "--rows", "2,4", "--max-rows", "8", "--steps", "1"))
 
 
 class Table:
@@ -332,6 +342,40 @@ def inference_rows(args, sizes: Sizes, device: torch.device, table: Table, deadl
                      "max abs diff": f"{diff:.1e}" if diff is not None else ""})
 
 
+def cp_rows(args, sizes: Sizes, table: Table, deadline: float) -> None:
+    """CP 1 against CP N through bench/context_parallel.py (N = the GPUs; 2 CPU processes in
+    the dry run), one row per sequence length and one for the longest-sequence search."""
+    import subprocess
+
+    nproc = 2 if args.dry_run else torch.cuda.device_count()
+    if nproc < 2:
+        table.add(config="CP", status=f"skipped: context parallelism needs 2 or more GPUs, "
+                                      f"this machine has {nproc}")
+        return
+    if time.perf_counter() > deadline:
+        table.add(config=f"CP {nproc}", status="skipped: over --budget-s")
+        return
+    script = Path(__file__).resolve().parent / "context_parallel.py"
+    cmd = [sys.executable, str(script), "--nproc", str(nproc), *sizes.cp_args]
+    if not args.dry_run:
+        cmd += ["--device", "cuda"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        table.add(config=f"CP {nproc}", status="failed: " + r.stderr.strip().splitlines()[-1])
+        return
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0].isdigit():
+            table.add(config=f"CP 1 vs CP {nproc}, {cells[0]} tokens", status="ok",
+                      **{"activation MB (CP 1 / CP N per rank)": f"{cells[1]} / {cells[2]}",
+                         "ratio": cells[3], "s/step (CP 1 / CP N)": f"{cells[4]} / {cells[5]}",
+                         "peak MB (CP 1 / CP N per rank)":
+                             f"{cells[6]} / {cells[7]}" if len(cells) > 7 else "-"})
+        elif line.startswith("Longest sequence"):
+            table.add(config=f"CP 1 vs CP {nproc}, longest sequence", status="ok",
+                      ratio=line.rsplit("(", 1)[1].rstrip(")"), note=line)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,6 +422,11 @@ def main(argv=None) -> int:
         t = Table("inference", ["config", "status", "s min / median / max", "Mvoxel/s",
                                 "vs MONAI", "max abs diff"])
         inference_rows(args, sizes, device, t, deadline)
+        tables.append(t)
+    if "cp" in sections:
+        t = Table("cp", ["config", "status", "activation MB (CP 1 / CP N per rank)", "ratio",
+                         "s/step (CP 1 / CP N)", "peak MB (CP 1 / CP N per rank)", "note"])
+        cp_rows(args, sizes, t, deadline)
         tables.append(t)
     for t in tables:
         t.print()

@@ -48,6 +48,13 @@ def test_gpu_bench_dry_run_fills_every_section():
     assert loader and loader[0][1] == "ok" and float(loader[0][2]) > 0, loader
     assert loader[0][4].endswith("x"), loader  # headroom against the seg row
 
+    # Context parallelism: CP 1 against CP 2 (2 CPU processes), memory per rank divided.
+    cp = _table(out, "cp")
+    assert [row[1] for row in cp] == ["ok"] * 3, cp  # two lengths and the longest sequence
+    for row in cp[:2]:
+        assert 0 < float(row[3]) < 1, row  # CP 2's activation memory per rank / CP 1's
+    assert cp[2][3].endswith("x") and float(cp[2][3][:-1]) > 1, cp
+
     inference = _table(out, "inference")
     assert inference, out
     if importlib.util.find_spec("monai") and importlib.util.find_spec("einops"):
