@@ -31,6 +31,23 @@ def demo_data(tmp_path_factory) -> Path:
     return root
 
 
+SEG2D_FOUR_STEPS = ["--job.config_file", "train_configs/debug_segmentation_2d.toml",
+                    "--training.steps", "4", "--metrics.log_freq", "1",
+                    "--checkpoint.interval", "2", "--no-metrics.progress_bar"]
+
+
+@pytest.fixture(scope="session")
+def seg2d_four_steps(demo_data, tmp_path_factory) -> Path:
+    """The dump folder of one finished 2-process FSDP run of the 2D debug segmentation config
+    (``SEG2D_FOUR_STEPS``): a loss record per step, checkpoints step-2 and step-4, validation
+    at step 4. Made once for every module that needs such a run; copy it before changing it."""
+    dump = tmp_path_factory.mktemp("seg2d_four_steps") / "run"
+    r = launch("train_segmentation.py", ["--data.dataset_path", str(demo_data),
+                                         "--job.dump_folder", str(dump), *SEG2D_FOUR_STEPS])
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return dump
+
+
 def pytest_sessionstart(session) -> None:
     """Stop at once, saying what to do, when this checkout is not the one installed in the
     interpreter's environment: the scripts the tests start (python helpers/..., torchrun) would

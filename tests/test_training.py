@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import zarr
@@ -28,10 +29,9 @@ def _ok(result):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(demo_data, tmp_path_factory):
-    dump = tmp_path_factory.mktemp("fsdp") / "run"
-    _ok(launch("train_segmentation.py", _seg_args(demo_data, dump)))
-    return dump
+def fsdp_run(seg2d_four_steps):
+    """The shared 2-process FSDP run: _seg_args's 4 steps, checkpoints every 2."""
+    return seg2d_four_steps
 
 
 def test_fsdp_run_leaves_config_checkpoints_and_logs(fsdp_run):
@@ -87,9 +87,9 @@ def test_ddp_gives_the_same_losses_as_fsdp(fsdp_run, demo_data, tmp_path):
         assert ddp[step] == pytest.approx(fsdp[step], rel=1e-4), step
 
 
-def test_resume_continues_after_the_last_checkpoint(demo_data, tmp_path):
+def test_resume_continues_after_the_last_checkpoint(fsdp_run, demo_data, tmp_path):
     dump = tmp_path / "resume"
-    _ok(launch("train_segmentation.py", _seg_args(demo_data, dump)))
+    shutil.copytree(fsdp_run, dump)  # a finished 4-step run, as _seg_args makes it
     first = train_losses(dump)
     _ok(launch("train_segmentation.py", _seg_args(demo_data, dump, "--training.steps", "6")))
     records = [r for r in read_jsonl(dump / "logs" / "metrics.jsonl") if "loss" in r]
