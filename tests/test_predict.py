@@ -6,17 +6,15 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import debug_run, launch
+from conftest import launch
 from torchtitan.datasets.cellmap import discover
 from torchtitan.datasets.samples import crop_grid
 
 
 @pytest.fixture(scope="module")
-def trained(demo_data, tmp_path_factory):
-    dump = tmp_path_factory.mktemp("pred") / "run"
-    debug_run("train_segmentation.py", "train_configs/debug_segmentation_2d.toml", demo_data,
-              dump, "--training.steps", "2")
-    return dump
+def trained(seg2d_four_steps):
+    """A trained 2D debug run (the shared 4-step one; predict.py reads its step-4)."""
+    return seg2d_four_steps
 
 
 @pytest.mark.parametrize("nproc", [0, 2])

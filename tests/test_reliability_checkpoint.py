@@ -55,10 +55,11 @@ def _tmp_entries(ckpt: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def four_steps(demo_data, tmp_path_factory):
-    """A finished 4-step run with checkpoints step-2 and step-4 (copy it before changing it)."""
-    dump = tmp_path_factory.mktemp("reliability") / "base"
-    _ok(launch("train_segmentation.py", _args(demo_data, dump, 4)))
+def four_steps(seg2d_four_steps):
+    """A finished 4-step run with checkpoints step-2 and step-4 (copy it before changing it):
+    the shared run, made with the flags of ``_args(data, dump, 4)`` (compile is off by
+    default)."""
+    dump = seg2d_four_steps
     assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
     assert (dump / "checkpoint" / "step-4" / ".metadata").is_file()
     return dump
