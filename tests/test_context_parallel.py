@@ -79,7 +79,8 @@ def _train(cfg, data, dump, nproc, *extra, steps=STEPS):
     r = launch("train_segmentation.py" if "segmentation" in cfg else "train_mae.py", [
         "--job.config_file", cfg, "--data.dataset_path", str(data), "--job.dump_folder", str(dump),
         "--training.steps", str(steps), "--metrics.log_freq", "1", "--no-metrics.progress_bar",
-        "--checkpoint.interval", "2", "--training.deterministic", *DEBUG, *extra], nproc=nproc)
+        "--checkpoint.interval", "2", "--training.deterministic", *DEBUG, *extra], nproc=nproc,
+               timeout=1200)  # compile on a busy CPU
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout + r.stderr
 
