@@ -203,7 +203,8 @@ def report(results: dict, args, world: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="CP degree (processes)")
+    p.add_argument("--cp-degree", type=int, default=2,
+                   help="CP degree (processes; not --nproc, which torchrun would take as its own)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dim", type=int, default=192)
     p.add_argument("--depth", type=int, default=4)
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--side", type=int, default=64, help="crop height and width (voxels)")
     p.add_argument("--rows", default="8,16,32",
                    help="sequence lengths to time, in rows of patches (each side/patch squared "
-                        "tokens); multiples of --nproc")
+                        "tokens); multiples of --cp-degree")
     p.add_argument("--max-rows", type=int, default=96, help="longest length the cap search tries")
     p.add_argument("--cap-mb", type=float, default=0.0,
                    help="per-rank activation cap for the longest-sequence search (default: CP 1's "
@@ -229,13 +230,13 @@ def main(argv=None) -> int:
         out = Path(tmp) / "results.json"
         forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(args.nproc), str(Path(__file__).resolve()),
+               "--nproc_per_node", str(args.cp_degree), str(Path(__file__).resolve()),
                *forwarded, "--worker", "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         r = subprocess.run(cmd, cwd=REPO, env=env)
         if r.returncode != 0:
             return r.returncode
-        report(json.loads(out.read_text()), args, args.nproc)
+        report(json.loads(out.read_text()), args, args.cp_degree)
     return 0
 
 

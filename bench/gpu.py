@@ -356,7 +356,7 @@ def cp_rows(args, sizes: Sizes, table: Table, deadline: float) -> None:
         table.add(config=f"CP {nproc}", status="skipped: over --budget-s")
         return
     script = Path(__file__).resolve().parent / "context_parallel.py"
-    cmd = [sys.executable, str(script), "--nproc", str(nproc), *sizes.cp_args]
+    cmd = [sys.executable, str(script), "--cp-degree", str(nproc), *sizes.cp_args]
     if not args.dry_run:
         cmd += ["--device", "cuda"]
     r = subprocess.run(cmd, capture_output=True, text=True)
