@@ -555,11 +555,11 @@ def test_validation_scores_stored_instance_ids(tmp_path):
     task = SegmentationTask(cfg)
     task.prepare()
     vol = task._val_volume(task.val_crops[0])
-    assert set(vol["ids"]) == {"nuc"}  # mito is semantic; a 0/1 group keeps the binary mask
-    stored = vol["ids"]["nuc"]
+    assert set(vol.instance_ids) == {"nuc"}  # mito is semantic; a 0/1 group keeps the binary mask
+    stored = vol.instance_ids["nuc"]
     assert set(np.unique(stored)) == {0, 1, 2}
-    assert np.array_equal(stored > 0, vol["target"][0].numpy())
-    binary = vol["target"][0].numpy()
+    assert np.array_equal(stored > 0, vol.target[0].numpy())
+    binary = vol.target[0].numpy()
     by_ids = score_crop({"nuc": binary}, {"nuc": stored}, {}, (8, 8, 8))["classes"]["nuc"]
     by_cc = score_crop({"nuc": binary}, {"nuc": binary}, {}, (8, 8, 8))["classes"]["nuc"]
     assert by_ids["n_true"] == 2 and by_cc["n_true"] == 1
