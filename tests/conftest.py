@@ -113,3 +113,48 @@ def debug_run(script: str, config: str, data, dump, *extra: str, nproc: int = 0,
                nproc=nproc, timeout=timeout)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
+
+
+# Cases that run in the slow suite (./run_tests.sh -m slow) because another CI test already
+# covers their kind: CI keeps one warm start, one real kill and resume, real signals (the SLURM
+# scripts' SIGUSR1 and time limit), most shipped configs as shipped, FSDP/TP parity and DCP
+# resumes, and keeps the non-slow suite within its 30 minutes on 2 cores.
+SLOW_SUITE_CASES = (
+    "test_reliability_checkpoint.py::test_exclude_from_loading_applies_to_the_warm_start_only",
+    "test_reliability_checkpoint.py::test_model_changes_stop_the_resume_and_other_changes_are_kept",
+    "test_reliability_checkpoint.py::test_disk_full_on_rank1_keeps_the_previous_checkpoint",
+    "test_shipped_configs.py::test_shipped_config_runs[demo_segmentation_2d]",
+    "test_shipped_configs.py::test_shipped_config_runs[debug_mae_2d]",
+    "test_shipped_configs.py::test_shipped_config_runs[quickstart_mae_2d]",
+    "test_shipped_configs.py::test_compiled_blocks_see_a_fixed_attention_backend[sdpa-full]",
+    "test_checkpointing.py::test_seed_checkpoint_gives_identical_starts",
+    "test_checkpointing.py::test_model_only_final_export_and_resume_from_the_last_full_checkpoint",
+    "test_checkpointing.py::test_two_node_launch_trains_and_checkpoints",
+    "test_reliability_loop.py::test_train_timeout_applies_after_the_first_step",
+    "test_reliability_loop.py::test_sigusr1_to_one_worker_saves_and_requeues",
+    "test_reliability_loop.py::test_non_finite_steps_in_a_row_stop_the_run",
+    "test_reliability_loop.py::test_corrupt_validation_crop_is_skipped_and_counted",
+    "test_inference_extra.py::test_parity_with_tta_and_zyx_planes",
+    "test_inference_extra.py::test_manifest_predicts_boxes_without_labels",
+    "test_pth_to_dcp.py::test_original_readme_command_converts_a_hub_and_training_starts_from_it",
+    "test_predict_outputs.py::test_marker_refusal_resume_and_overwrite",
+    "test_resume_workers.py::test_resume_reproduces_the_straight_run[fsdp-0]",
+    "test_startup.py::test_resume_initialises_nothing",
+    "test_startup.py::test_fsdp_start_holds_no_full_model_on_rank0",
+    "test_parity.py::test_mae_3d_losses_match_single_process_with_tp[tp2_ac_full]",
+    "test_parity.py::test_segmentation_losses_match_single_process[hsdp2x2]",
+    "test_parity.py::test_segmentation_losses_match_single_process[fsdp2_ac_per_op]",
+    "test_parity.py::test_segmentation_losses_match_single_process[ddp2_ac_every2]",
+    "test_parity.py::test_other_configs_match_single_process[mae2d_ddp2_all_augmentations]",
+    "test_remote_stores.py::test_training_from_http_matches_disk",
+    "test_remote_stores.py::test_persistent_network_error_is_counted_like_a_corrupt_chunk",
+    "test_slice_dataset.py::test_training_from_original_schema_slices",
+    "test_slice_dataset.py::test_mae_training_from_slices",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    slow = set(SLOW_SUITE_CASES)
+    for item in items:
+        if item.nodeid.split("tests/", 1)[-1] in slow:
+            item.add_marker(pytest.mark.slow)
