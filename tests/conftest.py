@@ -90,6 +90,13 @@ def train_losses(dump: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(dump / "logs" / "metrics.jsonl") if "loss" in r}
 
 
+def assert_same_losses(reference: dict, other: dict, name: str, rel: float) -> None:
+    """Two runs' {step: loss} logged the same steps, each loss equal to ``rel``."""
+    assert reference.keys() == other.keys(), name
+    for step, loss in reference.items():
+        assert other[step] == pytest.approx(loss, rel=rel), f"{name}, step {step}"
+
+
 def assert_meta_init_is_finite(model) -> None:
     """A model built on the meta device and materialised with NaN everywhere comes out of
     ``init_weights`` with every parameter and buffer finite (nothing is left uninitialised)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch, train_losses
+from conftest import assert_same_losses, launch, train_losses
 from torchtitan.config_manager import ConfigManager
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
@@ -91,9 +91,7 @@ def _losses(cfg, data, dump, nproc, *extra):
 
 
 def _same(reference, other, name):
-    assert reference.keys() == other.keys(), name
-    for step, loss in reference.items():
-        assert other[step] == pytest.approx(loss, rel=1e-5), f"{name}, step {step}"
+    assert_same_losses(reference, other, name, rel=1e-5)
 
 
 @pytest.fixture(scope="module")

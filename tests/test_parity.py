@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch, train_losses
+from conftest import assert_same_losses, launch, train_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -33,9 +33,7 @@ def _run(cfg, data, dump, nproc, *extra):
 
 
 def _same(reference, other, name):
-    assert reference.keys() == other.keys(), name
-    for step, loss in reference.items():
-        assert other[step] == pytest.approx(loss, rel=1e-4), f"{name}, step {step}"
+    assert_same_losses(reference, other, name, rel=1e-4)
 
 
 SEG = "train_configs/debug_segmentation_2d.toml"
