@@ -25,16 +25,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from torchtitan.config_manager import ConfigManager
+from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.loader import build_loader
+from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.parallelisms.parallelize import clip_grad_norm_
+from torchtitan.parallelisms.seeded_init import init_model, model_tensors
+from torchtitan.tasks import SegmentationTask
 
-from torchtitan.config_manager import ConfigManager  # noqa: E402
-from torchtitan.datasets.augment import augment_on_device  # noqa: E402
-from torchtitan.datasets.loader import build_loader  # noqa: E402
-from torchtitan.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
-from torchtitan.parallelisms.parallelize import clip_grad_norm_  # noqa: E402
-from torchtitan.parallelisms.seeded_init import init_model, model_tensors  # noqa: E402
-from torchtitan.tasks import SegmentationTask  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def build(task: SegmentationTask, backbone_seed: int, head_seed: int) -> torch.nn.Module:
