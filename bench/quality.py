@@ -167,6 +167,21 @@ def train(name, spec, data, out, nproc, steps, extra=()) -> tuple[float, dict]:
     return wall, scores
 
 
+def seed_runs(name: str, seeds: list[int]) -> list[tuple[str, list[str]]]:
+    """(run name, flags) of each seed of a model; the model's own name when no seeds are given."""
+    if not seeds:
+        return [(name, [])]
+    return [(f"{name}_s{seed}", ["--training.seed", str(seed)]) for seed in seeds]
+
+
+def seed_mean(runs: list[tuple[int, float, dict]]) -> tuple[int, float, dict]:
+    """Steps, mean wall time and the mean of every score the runs share."""
+    keys = set.intersection(*(set(r[2]) for r in runs))
+    scores = {k: statistics.fmean(r[2][k] for r in runs) for k in sorted(keys)
+              if all(isinstance(r[2][k], (int, float)) for r in runs)}
+    return runs[0][0], statistics.fmean(r[1] for r in runs), scores
+
+
 def table(results: dict[str, tuple[int, float, dict]], classes: list[str]) -> str:
     names = list(results)
     rows = [["", *names], ["steps", *(str(results[n][0]) for n in names)],
@@ -203,6 +218,9 @@ def main(argv=None) -> int:
     parser.add_argument("--calibrate", type=int, default=12, help="steps to time each model")
     parser.add_argument("--steps", type=int, default=0,
                         help="train every model this many steps (default: the budget decides)")
+    parser.add_argument("--seeds", default="",
+                        help="comma-separated training.seed values: one run per model and seed, "
+                             "plus the mean (default: each config's own seed)")
     parser.add_argument("--pretrain", action="append", default=[], metavar="NAME=CONFIG [FLAGS]",
                         help="an MAE pretraining, run first; models named MODEL@NAME start "
                              "from its encoder")
@@ -220,6 +238,7 @@ def main(argv=None) -> int:
         pname, pspec = item.split("=", 1)
         pretrained[pname], wall = pretrain(pname, pspec, args.data, args.out, args.nproc)
         print(f"pretraining {pname}: {wall:.0f} s", flush=True)
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     results = {}
     classes: list[str] = []
     for name, spec in models.items():
@@ -229,11 +248,15 @@ def main(argv=None) -> int:
         else:
             step_time = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
             steps = max(1, int(args.budget / step_time))
-        wall, scores = train(name, spec, args.data, args.out, args.nproc, steps, flags)
-        results[name] = (steps, wall, scores)
-        classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
-        print(f"{name}: {step_time:.3f} s/step -> {steps} steps, {wall:.0f} s, mean IoU "
-              f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
+        for run, seed_flags in seed_runs(name, seeds):
+            wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
+                                 [*flags, *seed_flags])
+            results[run] = (steps, wall, scores)
+            classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
+            print(f"{run}: {step_time:.3f} s/step -> {steps} steps, {wall:.0f} s, mean IoU "
+                  f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
+        if len(seeds) > 1:
+            results[f"{name} mean"] = seed_mean([results[r] for r, _ in seed_runs(name, seeds)])
     basis = f"{args.steps} steps" if args.steps else f"budget {args.budget:.0f} s"
     print(f"\n{basis} per model, data {args.data}, {args.nproc} processes\n")
     print(table(results, classes))
