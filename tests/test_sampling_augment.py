@@ -554,7 +554,7 @@ def test_validation_scores_stored_instance_ids(tmp_path):
         "--data.val_crops", "crop2", "--model.crop_size", "16,16"])
     task = SegmentationTask(cfg)
     task.prepare()
-    vol = task._val_volume(task.val_crops[0])
+    vol = task.source.read_volume(task.source.val_crops[0])
     assert set(vol.instance_ids) == {"nuc"}  # mito is semantic; a 0/1 group keeps the binary mask
     stored = vol.instance_ids["nuc"]
     assert set(np.unique(stored)) == {0, 1, 2}

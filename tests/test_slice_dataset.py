@@ -21,7 +21,7 @@ datasets = pytest.importorskip("datasets")
 
 from torchtitan.config_manager import ConfigManager  # noqa: E402
 from torchtitan.datasets.cellmap import DatasetError, discover  # noqa: E402
-from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data  # noqa: E402
+from torchtitan.datasets.loader import build_segmentation_samples  # noqa: E402
 from torchtitan.datasets.samples import crop_grid, normalize_em  # noqa: E402
 from torchtitan.datasets.slices import (  # noqa: E402
     build_slice_mae_samples,
@@ -31,6 +31,7 @@ from torchtitan.datasets.slices import (  # noqa: E402
 )
 from torchtitan.datasets.slices_original import CellMapIdLabels  # noqa: E402
 from torchtitan.datasets.targets import annotates  # noqa: E402
+from torchtitan.datasets.volume_source import CellMapSource, SliceSource, build_source  # noqa: E402
 
 
 def _same(a, b) -> bool:
@@ -201,21 +202,19 @@ def test_a_slice_smaller_than_the_crop_is_centred_with_invalid_padding(slices):
 
 def test_validation_volumes_from_slices_equal_the_zarr_ones(slices, demo_data):
     cfg = _cfg("--data.dataset_name", str(slices), "--data.dataset_path", str(demo_data))
-    index, train, val = load_slice_data(cfg)
-    sources, zarr_train, zarr_val = load_segmentation_data(cfg)
+    from_slices, from_zarr = build_source(cfg), CellMapSource(cfg)
+    assert isinstance(from_slices, SliceSource)  # data.dataset_name names the source
     # The same split by crop name as from the zarr stores.
-    assert [c.full_name for c in train] == [c.full_name for c in zarr_train]
+    assert [c.full_name for c in from_slices.train_crops] == \
+        [c.full_name for c in from_zarr.train_crops]
+    val, zarr_val = from_slices.val_crops, from_zarr.val_crops
     assert [c.full_name for c in val] == [c.full_name for c in zarr_val] and val
-    from_slices = build_slice_samples(cfg, index, train)
-    from_zarr = build_segmentation_samples(cfg, sources, zarr_train)
     for crop, zcrop in zip(val, zarr_val):
-        origin, shape = crop_grid(crop, cfg.data.voxel_size)
-        assert shape == crop_grid(zcrop, cfg.data.voxel_size)[1]
-        a = from_slices.read(crop, origin, shape)
-        b = from_zarr.read(zcrop, *crop_grid(zcrop, cfg.data.voxel_size))
-        np.testing.assert_allclose(a["image"], b["image"], atol=0.5 / 127.5 + 1e-6)
-        np.testing.assert_array_equal(a["target"], b["target"])
-        np.testing.assert_array_equal(a["valid"], b["valid"])
+        a, b = from_slices.read_volume(crop), from_zarr.read_volume(zcrop)
+        assert a.shape == b.shape and a.annotated == b.annotated and a.classes == b.classes
+        np.testing.assert_allclose(a.image, b.image, atol=0.5 / 127.5 + 1e-6)
+        np.testing.assert_array_equal(a.target, b.target)
+        np.testing.assert_array_equal(a.valid, b.valid)
 
 
 def test_config_mismatches_are_clear_errors(slices):
@@ -334,23 +333,24 @@ def test_cellmap_ids_give_targets_and_validity():
 def test_original_schema_loads_and_validates_from_stacked_planes(original_slices):
     cfg = _cfg("--data.dataset_name", str(original_slices), "--data.classes", "mito,nuc,cell",
                "--data.val_crops", "crop2", "--data.planes", "zyx")
-    index, train, val = load_slice_data(cfg)
+    source = build_source(cfg)
+    train, val = source.train_crops, source.val_crops
     assert [c.full_name for c in train] == ["jrc_a-1/recon-1/crop1", "jrc_b-1/recon-1/crop7"]
     assert [c.full_name for c in val] == ["jrc_a-1/recon-1/crop2"]
     # The three planes present, stacked along z, taken at data.voxel_size.
     (crop,) = val
-    origin, shape = crop_grid(crop, cfg.data.voxel_size)
-    assert shape == (3, 70, 70) and crop.voxel_size == (8.0, 8.0, 8.0)
+    assert source.grid(crop)[1] == (3, 70, 70) and crop.voxel_size == (8.0, 8.0, 8.0)
 
-    samples = build_slice_samples(cfg, index, train)
+    samples = source.segmentation_dataset()
     assert set(samples.index.row_axis[samples.train_rows]) == {"z", "x"}
-    vol = samples.read(crop, origin, shape)
-    assert vol["image"].shape == (1, 3, 70, 70) and vol["target"].shape == (3, 3, 70, 70)
+    vol = source.read_volume(crop)
+    assert vol.image.shape == (1, 3, 70, 70) and vol.target.shape == (3, 3, 70, 70)
     bands = _bands((70, 70), (0, 20, 28, 35))  # background, ne_mem, nucpl, cyto
     target, valid = CellMapIdLabels(["mito", "nuc", "cell"]).targets(bands)
-    np.testing.assert_array_equal(vol["target"], np.repeat(target[:, None], 3, 1))
-    np.testing.assert_array_equal(vol["valid"], np.repeat(valid[:, None], 3, 1))
-    assert not vol["target"][1][:, :, :17].any() and vol["target"][1][:, :, 18:52].all()
+    np.testing.assert_array_equal(vol.target, np.repeat(target[:, None], 3, 1))
+    np.testing.assert_array_equal(vol.valid, np.repeat(valid[:, None], 3, 1))
+    assert not vol.target[1][:, :, :17].any() and vol.target[1][:, :, 18:52].all()
+    assert vol.instance_ids == {}  # slices hold binary masks only
 
     for g in (0, 5, 77):
         item = samples[g]

@@ -114,12 +114,16 @@ def collate(samples: list[Sample]) -> Batch:
 
 @dataclass
 class CropVolume:
-    """One whole label crop on the training grid, as validation predicts and scores it."""
+    """One whole label crop on the training grid, as a volume source reads it
+    (``volume_source.py``) and validation predicts and scores it."""
 
     image: torch.Tensor  # (C, D, H, W) float32 EM, normalised
     target: torch.Tensor  # (K, D, H, W) bool: present, per class
     valid: torch.Tensor  # (K, D, H, W) bool: annotated and not unknown, per class
     origin: np.ndarray  # nm, corner of voxel 0 of the grid
+    voxel_size: tuple[float, ...]  # nm, the grid's spacing (data.voxel_size)
+    classes: list[str]  # the class of each channel of target and valid (data.classes)
+    annotated: list[str]  # the classes the crop annotates (the only ones scored)
     # Instance classes stored with object ids, scored against those ids (touching instances
     # stay apart), as the scoring command does: class name -> (D, H, W) ids.
     instance_ids: dict[str, np.ndarray] = field(default_factory=dict)

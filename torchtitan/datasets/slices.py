@@ -14,8 +14,8 @@ the planes ``data.planes`` allows.
 
 Validation needs no zarr either: the slices of a held-out crop along one axis are the planes
 of its whole grid, so stacking them (:class:`SliceReader`) gives back the volume that
-validation on the zarr stores reads (``crop_grid`` + ``samples.CropReader.read``), and the
-held-out crops are predicted and scored the same way.
+validation on the zarr stores reads (``crop_grid`` + ``samples.CropReader.read_arrays``), and
+the held-out crops are predicted and scored the same way (``volume_source.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.loader import split_crops
 from torchtitan.datasets.mae_samples import best_draw, foreground_fraction
-from torchtitan.datasets.samples import normalize_em, sample_rng
+from torchtitan.datasets.samples import SampleArrays, normalize_em, sample_rng
 from torchtitan.datasets.slice_index import (
     OURS,
     MaskColumns,
@@ -155,10 +155,10 @@ class SliceReader:
         return {"image": normalize_em(np.stack(images)[:, None]), "target": np.stack(targets),
                 "valid": np.stack(valids)}
 
-    def read(self, crop: SliceCrop, origin, shape) -> dict[str, np.ndarray]:
+    def read(self, crop: SliceCrop, shape) -> SampleArrays:
         """A whole crop on its grid, stacked from its slices: ``image`` (1, D, H, W) and
-        ``target`` / ``valid`` (K, D, H, W) float32, as ``CropReader.read`` gives for
-        ``crop_grid(crop)``. ``origin`` is ignored; ``shape`` must be the crop's."""
+        ``target`` / ``valid`` (K, D, H, W) float32, as ``CropReader.read_arrays`` gives for
+        ``crop_grid(crop)``; ``shape`` must be the crop's."""
         if tuple(int(s) for s in shape) != crop.shape:
             raise DatasetError(
                 f"{crop.full_name}: a slices dataset holds it on a {list(crop.shape)} grid, "
@@ -166,7 +166,9 @@ class SliceReader:
             )
         ax, rows = self.index.volume_rows(crop)
         arrays = self.arrays(rows)  # (N, C, a, b): planes first
-        return {k: np.moveaxis(v, 0, 1 + ax).astype(np.float32) for k, v in arrays.items()}
+        image, target, valid = (np.moveaxis(arrays[k], 0, 1 + ax).astype(np.float32)
+                                for k in ("image", "target", "valid"))
+        return SampleArrays(image, valid, target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,10 +229,6 @@ class SliceSamples(Dataset):
         plan = draw_plan(rng, self.aug, self.crop_size, vox)
         arrays = _cut(arrays, start, self.crop_size, plan, vox, self.FILLS)
         return _sample(arrays, index, self.aug, plan, vox, rng)
-
-    def read(self, crop: SliceCrop, origin, shape) -> dict[str, np.ndarray]:
-        """:meth:`SliceReader.read` (what validation reads of a whole crop)."""
-        return self.reader.read(crop, origin, shape)
 
 
 class SliceMAESamples(Dataset):

@@ -1,5 +1,6 @@
-"""Masked-autoencoder pretraining on unlabeled EM: the EM volumes of ``data.dataset_path``, or
-with ``data.dataset_name`` the EM images of a slices dataset (``datasets/slices.py``; 2D only).
+"""Masked-autoencoder pretraining on unlabeled EM: the EM of the run's volume source
+(``datasets/volume_source.py``: the zarr stores of ``data.dataset_path``, or the EM images of a
+slices dataset, 2D only).
 
 The masking noise of each sample is drawn by the data pipeline from the sample's own
 generator (keyed by its global index), so which patches are hidden does not depend on how
@@ -8,7 +9,6 @@ the batch is split across ranks.
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
@@ -18,15 +18,12 @@ import torch.distributed as dist
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
-from torchtitan.datasets.loader import build_mae_samples, load_em_sources
-from torchtitan.datasets.slices import build_slice_mae_samples, load_mae_slices
+from torchtitan.datasets.volume_source import VolumeSource, build_source
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.context import local_part
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.base import ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
-
-logger = logging.getLogger(__name__)
 
 # Validation draws its samples from a separate stream (seed + offset): a fixed held-out set
 # of crops, identical at every evaluation.
@@ -43,12 +40,7 @@ class MAETask(TaskBase):
     def prepare(self) -> None:
         check_backbone(self.cfg)
         self._check_context_parallel()
-        if self.cfg.data.dataset_name:  # EM slices of a Hugging Face dataset; it logs
-            self.slices = load_mae_slices(self.cfg)
-            return
-        self.sources = load_em_sources(self.cfg)
-        logger.info("MAE data: %d EM volumes (%s)", len(self.sources),
-                    ", ".join(s.name for s in self.sources))
+        self.source: VolumeSource = build_source(self.cfg, labels=False)  # it logs what it holds
 
     def _check_context_parallel(self) -> None:
         """Under context parallelism each rank encodes an equal part of the kept patches."""
@@ -65,11 +57,8 @@ class MAETask(TaskBase):
         return math.prod(c // self.cfg.model.patch_size for c in self.cfg.model.crop_size)
 
     def train_dataset(self, seed_offset: int = 0, augment: bool = True):
-        if self.cfg.data.dataset_name:
-            return build_slice_mae_samples(self.cfg, self.slices, seed_offset,
-                                           num_patches=self.num_patches(), augment=augment)
-        return build_mae_samples(self.cfg, self.sources, seed_offset,
-                                 num_patches=self.num_patches(), augment=augment)
+        return self.source.mae_dataset(seed_offset, num_patches=self.num_patches(),
+                                       augment=augment)
 
     def build_model(self) -> MaskedAutoencoder:
         m = self.cfg.model

@@ -8,12 +8,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan.cellmap.classes import INSTANCE_CLASSES
-from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
 from torchtitan.datasets.batch import Batch, CropVolume
-from torchtitan.datasets.samples import READ_ERRORS, CropReader, crop_grid
-from torchtitan.datasets.slices import SliceReader, build_slice_samples, load_slice_data
-from torchtitan.datasets.targets import annotates, read_instance_ids
+from torchtitan.datasets.samples import READ_ERRORS
+from torchtitan.datasets.volume_source import VolumeSource, build_source
 from torchtitan.evaluation import combine_scores, score_crop, validation_scores
 from torchtitan.inference import VolumePredictor
 from torchtitan.models import (
@@ -25,9 +22,24 @@ from torchtitan.models import (
 from torchtitan.models.context import local_part
 from torchtitan.postprocess import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
-from torchtitan.tasks.common import TaskBase, check_backbone, most_forwards
+from torchtitan.tasks.common import TaskBase, check_backbone
 
 logger = logging.getLogger(__name__)
+
+
+def most_forwards(count: int, ctx) -> int:
+    """The largest ``count`` over data-parallel ranks when the model is sharded, else ``count``
+    (``ctx``: the :class:`ValidationContext`).
+
+    Sharded (FSDP) forwards all-gather parameters, so every rank must run the same number of
+    them: a rank with less work pads with idle forwards up to this number. Call it before any
+    forward, so that the all-reduce here is matched on every rank.
+    """
+    if not ctx.sharded or ctx.dp_group is None:
+        return count
+    most = torch.tensor(count, dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+    return int(most)
 
 
 class SegmentationTask(TaskBase):
@@ -46,21 +58,10 @@ class SegmentationTask(TaskBase):
 
     def prepare(self) -> None:
         check_backbone(self.cfg)
-        if self.cfg.data.dataset_name:  # 2D slices (helpers/create_slice_dataset.py); it logs
-            self.slices, self.train_crops, self.val_crops = load_slice_data(self.cfg)
-            # Whole held-out crops, stacked from their slices.
-            self.reader = SliceReader(self.slices, self.cfg.data.classes)
-            return
-        self.sources, self.train_crops, self.val_crops = load_segmentation_data(self.cfg)
-        self.reader = CropReader(self.sources, self.cfg.data.classes, self.cfg.data.voxel_size)
-        logger.info("segmentation data: %d datasets, %d training crops, %d validation crops (%s)",
-                    len(self.sources), len(self.train_crops), len(self.val_crops),
-                    ", ".join(c.full_name for c in self.val_crops) or "none")
+        self.source: VolumeSource = build_source(self.cfg)  # it logs what it holds
 
     def train_dataset(self):
-        if self.cfg.data.dataset_name:
-            return build_slice_samples(self.cfg, self.slices, self.train_crops)
-        return build_segmentation_samples(self.cfg, self.sources, self.train_crops)
+        return self.source.segmentation_dataset()
 
     # -- model ----------------------------------------------------------------------------------
 
@@ -90,17 +91,7 @@ class SegmentationTask(TaskBase):
     def _val_volume(self, crop) -> CropVolume:
         """A whole validation crop on the training grid (cached: crops are small)."""
         if crop.full_name not in self._val_cache:
-            origin, shape = crop_grid(crop, self.cfg.data.voxel_size)
-            arrays = self.reader.read(crop, origin, shape)
-            ids = {}
-            for name in self.cfg.data.classes:
-                if name in INSTANCE_CLASSES and not self.cfg.data.dataset_name:
-                    stored = read_instance_ids(crop, name, origin, self.cfg.data.voxel_size, shape)
-                    if stored is not None and stored.max(initial=0) > 1:
-                        ids[name] = stored
-            self._val_cache[crop.full_name] = CropVolume(
-                torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["target"] > 0),
-                torch.from_numpy(arrays["valid"] > 0), origin, ids)
+            self._val_cache[crop.full_name] = self.source.read_volume(crop)
         return self._val_cache[crop.full_name]
 
     def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
@@ -117,10 +108,11 @@ class SegmentationTask(TaskBase):
         cfg, inf = self.cfg, self.cfg.inference
         post = PostProcessing.from_config(inf)
         classes = list(cfg.data.classes)
-        mine = self.val_crops[ctx.dp_rank::ctx.dp_degree]
+        mine = self.source.val_crops[ctx.dp_rank::ctx.dp_degree]
         predictor = VolumePredictor.from_config(model, cfg, ctx.device)
         # Sharded models need the same number of forwards on every rank: count them first.
-        calls = sum(predictor.forward_count(crop_grid(c, cfg.data.voxel_size)[1]) for c in mine)
+        forwards = {c.full_name: predictor.forward_count(self.source.grid(c)[1]) for c in mine}
+        calls = sum(forwards.values())
         idle = most_forwards(calls, ctx) - calls
         per_crop, per_crop_post = [], []
         skipped = 0
@@ -132,19 +124,19 @@ class SegmentationTask(TaskBase):
                 # runs the crop's forwards (idle) so that sharded ranks stay in step.
                 logger.warning("validation crop %s skipped: %s", crop.full_name, e)
                 skipped += 1
-                idle += predictor.forward_count(crop_grid(crop, cfg.data.voxel_size)[1])
+                idle += forwards[crop.full_name]
                 continue
             prob = predictor.predict_volume(vol.image)
             pred = (prob > inf.threshold).numpy()
             target, valid = vol.target.numpy(), vol.valid.numpy()
-            annotated = [k for k, name in enumerate(classes) if annotates(crop, name)]
-            truth = {classes[k]: vol.instance_ids.get(classes[k], target[k]) for k in annotated}
-            valid_by_class = {classes[k]: valid[k] for k in annotated}
-            masks = {classes[k]: pred[k] for k in annotated}
-            per_crop.append(score_crop(masks, truth, valid_by_class, cfg.data.voxel_size))
+            channel = {name: k for k, name in enumerate(vol.classes) if name in vol.annotated}
+            truth = {n: vol.instance_ids.get(n, target[k]) for n, k in channel.items()}
+            valid_by_class = {n: valid[k] for n, k in channel.items()}
+            masks = {n: pred[k] for n, k in channel.items()}
+            per_crop.append(score_crop(masks, truth, valid_by_class, vol.voxel_size))
             if post.enabled:
-                per_crop_post.append(score_crop(postprocess(masks, cfg.data.voxel_size, post),
-                                                truth, valid_by_class, cfg.data.voxel_size))
+                per_crop_post.append(score_crop(postprocess(masks, vol.voxel_size, post),
+                                                truth, valid_by_class, vol.voxel_size))
             if ctx.writes_files and self.visuals is not None:
                 self._visualize(ctx, crop, vol, pred, classes)
         predictor.idle_forwards(idle)

@@ -1,0 +1,151 @@
+"""Where the volumes come from, as one type: a :class:`VolumeSource` gives a task its training
+samples (segmentation or MAE), its validation crops and each crop's whole volume on the training
+grid (:meth:`VolumeSource.read_volume`, one :class:`~torchtitan.datasets.batch.CropVolume`).
+
+One implementation per kind of source, chosen in one place (:func:`build_source`):
+
+* :class:`CellMapSource`: CellMap-layout zarr stores (``data.dataset_path``: a folder or a
+  split list, local or remote; imported image stacks are such stores too);
+* :class:`SliceSource`: a Hugging Face dataset of 2D slices (``data.dataset_name``), whose
+  held-out crops are stacked back from their slices.
+
+A task takes a source and never asks which kind it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.datasets.batch import CropVolume
+from torchtitan.datasets.loader import (
+    build_mae_samples,
+    build_segmentation_samples,
+    load_em_sources,
+    load_segmentation_data,
+)
+from torchtitan.datasets.samples import CropReader, SampleArrays, crop_grid
+from torchtitan.datasets.slices import (
+    SliceReader,
+    build_slice_mae_samples,
+    build_slice_samples,
+    load_mae_slices,
+    load_slice_data,
+)
+from torchtitan.datasets.targets import annotates, read_instance_ids
+
+logger = logging.getLogger(__name__)
+
+
+class VolumeSource(Protocol):
+    """The data of a run, whatever holds it. Built with ``labels=False`` (MAE) a source has
+    no crops: only :meth:`mae_dataset` serves."""
+
+    val_crops: list  # the held-out label crops (LabelCrop or SliceCrop), in a fixed order
+
+    def segmentation_dataset(self) -> Dataset:
+        """The segmentation training samples (of the training crops), by global index."""
+
+    def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
+                    augment: bool = True) -> Dataset:
+        """The MAE samples of the EM; ``augment=False`` and a ``seed_offset`` for the held-out
+        validation stream."""
+
+    def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """Origin (nm) and shape of the training grid that covers the whole crop."""
+
+    def read_volume(self, crop) -> CropVolume:
+        """The whole crop on :meth:`grid`: EM, targets, validity and instance ids."""
+
+
+def _volume(cfg, crop, origin, arrays: SampleArrays, instance_ids: dict) -> CropVolume:
+    classes = list(cfg.data.classes)
+    return CropVolume(
+        torch.from_numpy(arrays.image), torch.from_numpy(arrays.target > 0),
+        torch.from_numpy(arrays.valid > 0), origin,
+        voxel_size=tuple(float(v) for v in cfg.data.voxel_size), classes=classes,
+        annotated=[c for c in classes if annotates(crop, c)], instance_ids=instance_ids)
+
+
+class CellMapSource:
+    """CellMap-layout zarr stores (``data.dataset_path``)."""
+
+    def __init__(self, cfg, labels: bool = True):
+        self.cfg = cfg
+        d = cfg.data
+        if labels:
+            self.ems, self.train_crops, self.val_crops = load_segmentation_data(cfg)
+            logger.info("segmentation data: %d datasets, %d training crops, %d validation crops "
+                        "(%s)", len(self.ems), len(self.train_crops), len(self.val_crops),
+                        ", ".join(c.full_name for c in self.val_crops) or "none")
+        else:
+            self.ems, self.train_crops, self.val_crops = load_em_sources(cfg), [], []
+            logger.info("MAE data: %d EM volumes (%s)", len(self.ems),
+                        ", ".join(s.name for s in self.ems))
+        self.reader = CropReader(self.ems, d.classes, d.voxel_size)
+
+    def segmentation_dataset(self) -> Dataset:
+        return build_segmentation_samples(self.cfg, self.ems, self.train_crops)
+
+    def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
+                    augment: bool = True) -> Dataset:
+        return build_mae_samples(self.cfg, self.ems, seed_offset, num_patches=num_patches,
+                                 augment=augment)
+
+    def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
+        return crop_grid(crop, self.cfg.data.voxel_size)
+
+    def read_volume(self, crop) -> CropVolume:
+        """Instance classes stored with object ids keep them, so that touching instances are
+        scored apart (as the scoring command does); 0/1 groups stay binary masks."""
+        origin, shape = self.grid(crop)
+        vox = self.cfg.data.voxel_size
+        ids = {}
+        for name in self.cfg.data.classes:
+            if name in INSTANCE_CLASSES:
+                stored = read_instance_ids(crop, name, origin, vox, shape)
+                if stored is not None and stored.max(initial=0) > 1:
+                    ids[name] = stored
+        return _volume(self.cfg, crop, origin, self.reader.read_arrays(crop, origin, shape), ids)
+
+
+class SliceSource:
+    """A Hugging Face dataset of 2D slices (``data.dataset_name``); it logs what it holds."""
+
+    def __init__(self, cfg, labels: bool = True):
+        self.cfg = cfg
+        if labels:
+            self.index, self.train_crops, self.val_crops = load_slice_data(cfg)
+            self.reader = SliceReader(self.index, cfg.data.classes)
+        else:
+            self.mae_slices, self.train_crops, self.val_crops = load_mae_slices(cfg), [], []
+
+    def segmentation_dataset(self) -> Dataset:
+        return build_slice_samples(self.cfg, self.index, self.train_crops)
+
+    def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
+                    augment: bool = True) -> Dataset:
+        return build_slice_mae_samples(self.cfg, self.mae_slices, seed_offset,
+                                       num_patches=num_patches, augment=augment)
+
+    def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
+        return crop_grid(crop, self.cfg.data.voxel_size)
+
+    def read_volume(self, crop) -> CropVolume:
+        """Stacked from the crop's slices; slices hold no instance ids (binary masks only)."""
+        origin, shape = self.grid(crop)
+        return _volume(self.cfg, crop, origin, self.reader.read(crop, shape), {})
+
+
+def build_source(cfg, labels: bool = True) -> VolumeSource:
+    """The source the config names: ``data.dataset_name`` (slices) or else the zarr stores of
+    ``data.dataset_path``. ``labels=False`` (MAE) opens the EM alone. Every problem with the
+    data is a DatasetError, raised here, before any process group exists."""
+    if cfg.data.dataset_name:
+        return SliceSource(cfg, labels)
+    return CellMapSource(cfg, labels)
