@@ -3,8 +3,7 @@
 * no function or method of ``torchtitan/`` has a body over :data:`MAX_FUNCTION_LINES` lines
   (counted from its first statement after the docstring to its end: a long keyword-only
   signature with Meta's names, or a docstring, is not logic to follow);
-* no module of the core (``torchtitan/`` outside ``tools/``), nor the predictor behind
-  ``predict.py``, is over :data:`MAX_FILE_LINES` lines.
+* no module of ``torchtitan/`` (the core and its tools) is over :data:`MAX_FILE_LINES` lines.
 
 A function that grows past the limit is split into named steps; a module, where it has two
 jobs. The checks themselves are tested on small synthetic sources.
@@ -42,19 +41,13 @@ def modules() -> list[Path]:
     return sorted((REPO / "torchtitan").rglob("*.py"))
 
 
-def sized_modules() -> list[Path]:
-    """The modules held to the file limit: the core, and the predictor."""
-    tools = REPO / "torchtitan" / "tools"
-    return [p for p in modules() if tools not in p.parents or p.name == "predictor.py"]
-
-
 def test_no_function_is_longer_than_the_limit():
     found = [f for p in modules() for f in long_functions(p.read_text(), str(p.relative_to(REPO)))]
     assert found == [], f"split these into named steps (<= {MAX_FUNCTION_LINES} lines): {found}"
 
 
 def test_no_module_is_longer_than_the_limit():
-    found = [f"{p.relative_to(REPO)} ({n} lines)" for p in sized_modules()
+    found = [f"{p.relative_to(REPO)} ({n} lines)" for p in modules()
              if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
     assert found == [], f"split these where they have two jobs (<= {MAX_FILE_LINES} lines): {found}"
 

@@ -13,19 +13,21 @@ import zarr
 from PIL import Image
 
 from torchtitan.tools.demo_data import generate_demo_data
-from torchtitan.tools.visualization import (
+from torchtitan.tools.drawing import (
     CLASS_COLORS,
     GAP,
     HATCH_GREY,
-    _font,
-    _line_height,
     class_color,
+    default_font,
+    line_height,
+    overlay,
+)
+from torchtitan.tools.visualization import (
     comparison_frames,
     frame_slices,
     frames_to_tensorboard_image,
     grid_frames,
     mae_frame,
-    overlay,
     sanitize_name,
     save_gif,
     write_mae_visuals,
@@ -342,7 +344,7 @@ def test_plot_volumes_single_cli_with_predictions(demo_root, tmp_path):
     # The middle frame: EM | ground truth | prediction, square panels (the crop is square).
     frame = np.asarray(Image.open(png).convert("RGB")).astype(int)
     panel_w = (frame.shape[1] - 4 * GAP) // 3
-    top = 2 * _line_height(_font())
+    top = 2 * line_height(default_font())
     rows = frame[top:top + panel_w]
     colourful = rows.max(axis=-1) - rows.min(axis=-1) > 15  # grey EM is not
     em_panel = colourful[:, GAP:GAP + panel_w]
