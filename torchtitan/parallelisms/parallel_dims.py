@@ -147,9 +147,8 @@ class ParallelDims:
         """The (flattened) data-parallel mesh, over which gradients are averaged."""
         if mesh is None or self.dp_degree == 1:
             return None
-        if self.hsdp_enabled:
-            return mesh["dp"]
-        return mesh["dp_shard" if self.fsdp_enabled else "dp_replicate"]
+        # the dims of size > 1 among dp_replicate and dp_shard (HSDP with CP can have dp_shard 1)
+        return mesh[self._one_name(mesh, ("dp_replicate", "dp_shard"), "dp")]
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         dp = self.dp_mesh(mesh)
