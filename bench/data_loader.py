@@ -75,8 +75,9 @@ from pathlib import Path
 
 import numpy as np
 
-# Process-tree CPU accounting, shared with the cellmap-data side (standard library only there).
-from bench.cellmap_data_loader import _children, tree_cpu_seconds
+# Process-tree CPU accounting, shared with the cellmap-data side (standard library only there):
+# a sibling script, importable as `python bench/<script>.py` puts bench/ first on the import path.
+from cellmap_data_loader import _children, tree_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 

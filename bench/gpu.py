@@ -52,11 +52,14 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.inference import monai_starts
 from torchtitan.inference import blending_weights, grid_starts, predict_volume
 from torchtitan.models import (MaskedAutoencoder, SegmentationModel, build_backbone,
                                training_flops_per_sample, use_attention)
 from torchtitan.models.attention import _fa4_function, fa4_unavailable_reason
+
+# Sibling scripts: `python bench/gpu.py` puts bench/ first on the import path (bench/ is a
+# folder of scripts, not an installed package).
+from inference import monai_starts
 
 SECTIONS = ("train", "loader", "inference", "cp")
 MONAI_HINT = "pip install --no-deps monai==1.6.1 einops==0.8.1"
@@ -245,7 +248,7 @@ def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, 
 
 
 def loader_rows(args, sizes: Sizes, model_rates: dict, table: Table, deadline: float) -> None:
-    from bench import data_loader as dl
+    import data_loader as dl  # a sibling script, as monai_starts above
 
     seg = {k: v for k, v in model_rates.items() if k.startswith(f"seg {sizes.loader_crop}^3")}
     if time.perf_counter() > deadline:

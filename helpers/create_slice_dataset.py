@@ -38,20 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers.plot_volumes_single import (
-    all_crops,
-    find_crop,
-    load_sources,
-    parse_classes,
-    parse_voxel_size,
-)
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import annotates
 from torchtitan.config_manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
-from helpers import script_parser
+from torchtitan.tools.cli import parse_classes, parse_voxel_size, script_parser
+from torchtitan.tools.label_crops import all_crops, find_crop, load_sources
 
 NO_TOKEN_EXIT = 2
 

@@ -24,7 +24,7 @@ Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and
 
 import sys
 
-from helpers import script_parser
+from torchtitan.tools.cli import script_parser
 from torchtitan.datasets.image_stack import INSTANCE_MODES, import_stack
 from torchtitan.datasets.stack_labels import (
     ImageStackError,

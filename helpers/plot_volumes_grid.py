@@ -14,20 +14,18 @@ from its tile; its unannotated voxels are hatched.
 import argparse
 import sys
 
-from helpers import add_gif_args, script_parser, write_gif
-from helpers.plot_volumes_single import (
-    all_crops,
-    canonical_order,
-    find_crop,
-    load_sources,
-    parse_classes,
-    parse_list,
-    parse_voxel_size,
-    read_crop_volume,
-)
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.config_manager import flag_type
 from torchtitan.errors import run_cli
+from torchtitan.tools.cli import (
+    add_gif_args,
+    parse_classes,
+    parse_list,
+    parse_voxel_size,
+    script_parser,
+    write_gif,
+)
+from torchtitan.tools.label_crops import all_crops, canonical_order, find_crop, load_sources, read_crop_volume
 from torchtitan.tools.visualization import grid_frames
 
 
@@ -66,7 +64,6 @@ def main(argv=None) -> None:
     frames = grid_frames(tiles, classes, cols=args.cols, max_frames=args.max_frames, tile_px=args.tile_px,
                          title=f"{len(tiles)} crops of {args.data}")
     write_gif(frames, args, f"{len(tiles)} crops")
-
 
 
 if __name__ == "__main__":

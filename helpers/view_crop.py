@@ -13,7 +13,7 @@ napari-ome-zarr``). See torchtitan/tools/viewer.py.
 
 import sys
 
-from helpers import script_parser
+from torchtitan.tools.cli import script_parser
 from torchtitan.errors import UserError
 from torchtitan.tools.viewer import crop_view
 

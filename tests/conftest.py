@@ -2,11 +2,15 @@
 
 The tests import the project as installed (`pip install -e .`, which ./run_tests.sh does), and
 so do the scripts they start; pytest itself makes this file importable (`from conftest import
-...`), as it does for every rootdir-relative conftest.py.
+...`), as it does for every rootdir-relative conftest.py. The helper and benchmark scripts
+(helpers/, bench/) are folders of scripts, not packages: a test runs one as a process, or
+loads it from its file with :func:`script_module` to call its functions.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,7 +56,7 @@ def pytest_sessionstart(session) -> None:
     """Stop at once, saying what to do, when this checkout is not the one installed in the
     interpreter's environment: the scripts the tests start (python helpers/..., torchrun) would
     otherwise fail one by one, or run another checkout's code."""
-    code = "import torchtitan, helpers, bench; print(torchtitan.__file__)"
+    code = "import torchtitan; print(torchtitan.__file__)"
     r = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(),
                        env=_env(), capture_output=True, text=True, timeout=120)
     found = r.stdout.strip()
@@ -62,6 +66,18 @@ def pytest_sessionstart(session) -> None:
                     f"{sys.executable} ({where}). Run `pip install -e {REPO} --no-deps` "
                     "there, or ./run_tests.sh, which sets up .venv and does it.",
                     returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+@functools.cache
+def script_module(path: str):
+    """The script at ``path`` (relative to the repository: ``helpers/dcp_to_pth.py``) loaded
+    from its file as a module named after it (``dcp_to_pth``, as when it runs), once."""
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickle look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def _env() -> dict:

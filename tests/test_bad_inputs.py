@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import REPO, _env
+from conftest import REPO, _env, script_module
 from torchtitan.errors import UserError
 
 SEG = "train_segmentation.py"
@@ -368,7 +368,7 @@ def test_every_torch_load_is_weights_only():
 @dataclass
 class Call:
     id: str
-    entry: str  # "predict", "score", "pth_to_dcp" or "helpers.<module>"
+    entry: str  # "predict", "score", "pth_to_dcp" or a helper script, "helpers/<name>.py"
     args: list[str]  # filled from the context like Case.args
     expect: list[str]  # substrings of stderr
     rc: int = 2
@@ -474,51 +474,51 @@ CALLS = [
          ["--dcp_root {run}/config.toml is an existing file"]),
     Call("pth_to_dcp_truncated", "pth_to_dcp", ["--pth", "{pth_truncated}", "--dcp_root", "{tmp}/dcp_t"],
          ["--pth '{pth_truncated}' could not be read with torch.load"]),
-    Call("dcp_to_pth_out_is_a_folder", "helpers.dcp_to_pth", ["--dcp", "{run}/checkpoint", "--out",
+    Call("dcp_to_pth_out_is_a_folder", "helpers/dcp_to_pth.py", ["--dcp", "{run}/checkpoint", "--out",
                                                               "{tmp}"],
          ["--out {tmp} is a folder; give the path of the .pth file to write"]),
-    Call("plot_single_misspelt_class", "helpers.plot_volumes_single", [
+    Call("plot_single_misspelt_class", "helpers/plot_volumes_single.py", [
         "--zarr", "{data}", "--classes", "mitochondria", "--out", "{tmp}/c.gif"],
          ["--classes: unknown class 'mitochondria': not a CellMap class and annotated by no crop"]),
-    Call("plot_single_voxel_size_nan", "helpers.plot_volumes_single", [
+    Call("plot_single_voxel_size_nan", "helpers/plot_volumes_single.py", [
         "--zarr", "{data}", "--voxel_size", "8,nan,8", "--out", "{tmp}/v.gif"],
          ["argument --voxel_size: [8.0, nan, 8.0] (must be a finite number"]),
-    Call("plot_single_voxel_size_zero", "helpers.plot_volumes_single", [
+    Call("plot_single_voxel_size_zero", "helpers/plot_volumes_single.py", [
         "--zarr", "{data}", "--voxel_size", "0", "--out", "{tmp}/v.gif"],
          ["argument --voxel_size: [0.0] (must be one or three numbers > 0, nm (z,y,x))"]),
-    Call("plot_single_scale_huge", "helpers.plot_volumes_single", [
+    Call("plot_single_scale_huge", "helpers/plot_volumes_single.py", [
         "--zarr", "{data}", "--scale", "1000", "--out", "{tmp}/s.gif"],
          ["argument --scale: 1000 (must be an integer zoom in [1, 32])"]),
-    Call("plot_single_out_is_a_folder", "helpers.plot_volumes_single", ["--zarr", "{data}", "--out",
+    Call("plot_single_out_is_a_folder", "helpers/plot_volumes_single.py", ["--zarr", "{data}", "--out",
                                                                        "{tmp}"],
          ["--out {tmp} is a folder; give the path of the file to write"]),
-    Call("plot_max_frames_zero", "helpers.plot_volumes_single", [
+    Call("plot_max_frames_zero", "helpers/plot_volumes_single.py", [
         "--zarr", "{data}", "--max_frames", "0", "--out", "{tmp}/m.gif"],
          ["argument --max_frames: 0 (must be >= 1)"]),
-    Call("plot_duration_negative", "helpers.plot_volumes_grid", [
+    Call("plot_duration_negative", "helpers/plot_volumes_grid.py", [
         "--data", "{data}", "--duration_ms=-5", "--out", "{tmp}/d.gif"],
          ["argument --duration_ms: -5 (must be in [1, 60000] ms)"]),
-    Call("plot_grid_cols_zero", "helpers.plot_volumes_grid", ["--data", "{data}", "--cols", "0",
+    Call("plot_grid_cols_zero", "helpers/plot_volumes_grid.py", ["--data", "{data}", "--cols", "0",
                                                              "--out", "{tmp}/g.gif"],
          ["argument --cols: 0 (must be in [1, 64])"]),
-    Call("plot_grid_tile_px_huge", "helpers.plot_volumes_grid", ["--data", "{data}", "--tile_px",
+    Call("plot_grid_tile_px_huge", "helpers/plot_volumes_grid.py", ["--data", "{data}", "--tile_px",
                                                                 "100000", "--out", "{tmp}/g.gif"],
          ["argument --tile_px: 100000 (must be in [16, 4096])"]),
-    Call("plot_grid_misspelt_class", "helpers.plot_volumes_grid", [
+    Call("plot_grid_misspelt_class", "helpers/plot_volumes_grid.py", [
         "--data", "{data}", "--classes", "nucleus", "--out", "{tmp}/g.gif"],
          ["--classes: unknown class 'nucleus'"]),
-    Call("slices_num_proc_zero", "helpers.create_slice_dataset", ["--zarr", "{data}", "--out",
+    Call("slices_num_proc_zero", "helpers/create_slice_dataset.py", ["--zarr", "{data}", "--out",
                                                                   "{tmp}/sl", "--num_proc", "0"],
          ["argument --num_proc: 0 (must be >= 1)"]),
-    Call("slices_voxel_size_inf", "helpers.create_slice_dataset", ["--zarr", "{data}", "--out",
+    Call("slices_voxel_size_inf", "helpers/create_slice_dataset.py", ["--zarr", "{data}", "--out",
                                                                    "{tmp}/sl", "--voxel_size", "inf"],
          ["argument --voxel_size: [inf] (must be a finite number"]),
-    Call("slices_misspelt_class", "helpers.create_slice_dataset", ["--zarr", "{data}", "--out",
+    Call("slices_misspelt_class", "helpers/create_slice_dataset.py", ["--zarr", "{data}", "--out",
                                                                    "{tmp}/sl", "--classes", "mitochondria"],
          ["--classes: unknown class 'mitochondria'"]),
-    Call("make_demo_seed_negative", "helpers.make_demo_data", ["--seed", "-3", "--out", "{tmp}/dm"],
+    Call("make_demo_seed_negative", "helpers/make_demo_data.py", ["--seed", "-3", "--out", "{tmp}/dm"],
          [f"argument --seed: -3 (must be in [0, 2^64 - 1] (torch's seeds); {FLAG} 'training.seed')"]),
-    Call("make_demo_scale_nan", "helpers.make_demo_data", ["--scale", "nan", "--out", "{tmp}/dm"],
+    Call("make_demo_scale_nan", "helpers/make_demo_data.py", ["--scale", "nan", "--out", "{tmp}/dm"],
          ["scale must be in [0.1, 2.0] (--scale), got nan"]),
 ]
 
@@ -538,7 +538,7 @@ def call_entry(entry: str, argv: list[str]) -> int:
         from torchtitan.evaluation import main
 
         return main(argv)
-    module = importlib.import_module(entry)
+    module = script_module(entry) if entry.endswith(".py") else importlib.import_module(entry)
     return run_cli(module.main, argv)
 
 
@@ -586,7 +586,7 @@ def call_ctx(results, tmp_path_factory) -> dict:
             region.create_array("raw", data=np.ones((4, 4, 4), np.uint8))
     crop = next(c for s in discover(ctx["data"]) for c in s.crops if c.name == "crop1")
     pth = tmp / "model.pth"
-    assert call_entry("helpers.dcp_to_pth", ["--dcp", f"{ctx['run']}/checkpoint",
+    assert call_entry("helpers/dcp_to_pth.py", ["--dcp", f"{ctx['run']}/checkpoint",
                                              "--out", str(pth)]) == 0
     truncated = tmp / "truncated.pth"
     truncated.write_bytes(pth.read_bytes()[: pth.stat().st_size // 3])

@@ -10,12 +10,14 @@ temporary folder.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -171,15 +173,39 @@ def test_package_refuses_old_python():
 
 
 def test_package_is_importable_from_anywhere(tmp_path):
-    """The editable install, not the working directory or PYTHONPATH, finds our packages."""
-    code = ("import bench, helpers, torchtitan; "
-            "print(*(m.__file__ for m in (torchtitan, helpers, bench)), sep='\\n')")
+    """The editable install, not the working directory or PYTHONPATH, finds torchtitan, and the
+    installed distribution holds that one top-level package: the script folders helpers/ and
+    bench/ are not installed (they run as ``python helpers/x.py``; modules named ``helpers``
+    or ``bench`` would collide with other projects')."""
+    code = ("import importlib.metadata, importlib.util, torchtitan; print(torchtitan.__file__); "
+            "print(*(importlib.util.find_spec(n) is not None for n in ('helpers', 'bench'))); "
+            "print(*importlib.metadata.distribution('torchtitan-em').read_text('top_level.txt')"
+            ".split())")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                        text=True, timeout=60, env=_env())
     assert r.returncode == 0, ("the project is not installed in this interpreter's environment; "
                                "run `pip install -e .` (or ./run_tests.sh, which does)\n" + r.stderr)
-    files = [Path(line) for line in r.stdout.split()]
-    assert [f.parent for f in files] == [REPO / "torchtitan", REPO / "helpers", REPO / "bench"]
+    found, scripts_importable, top_level = r.stdout.splitlines()
+    assert Path(found) == REPO / "torchtitan" / "__init__.py"
+    stale = "installed from an older pyproject.toml? run `pip install -e .` again"
+    assert scripts_importable == "False False", f"helpers or bench is importable: {stale}"
+    assert top_level == "torchtitan", f"the installed torchtitan-em holds {top_level}: {stale}"
+
+
+def _dotted_folders(root: Path) -> set[str]:
+    """``root`` and its folders that hold Python files, dotted as setuptools names packages."""
+    return {".".join(f.parent.relative_to(REPO).parts) for f in root.rglob("*.py")}
+
+
+def test_pyproject_packages_torchtitan_alone():
+    """pyproject.toml packages torchtitan with every subpackage, and nothing else: not the
+    script folders (helpers/, bench/) nor tests/."""
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    library = _dotted_folders(REPO / "torchtitan")
+    folders = library | {d.name for d in REPO.iterdir() if d.is_dir() and any(d.glob("*.py"))}
+    assert {"helpers", "bench", "tests", "torchtitan.tools", "torchtitan.cellmap"} <= folders
+    packaged = {d for d in folders if any(fnmatch.fnmatchcase(d, pat) for pat in find["include"])}
+    assert packaged == library, sorted(packaged ^ library)
 
 
 def test_nothing_edits_the_import_path():

@@ -20,8 +20,7 @@ import pytest
 import zarr
 from PIL import Image
 
-from conftest import REPO, SHARED
-from helpers.import_stack import main as import_main
+from conftest import REPO, SHARED, script_module
 from torchtitan.cellmap.labels import LabelEncoding, label_to_target
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales, stored_intensity_range
 from torchtitan.config_manager import ConfigManager
@@ -32,6 +31,8 @@ from torchtitan.datasets.loader import build_segmentation_samples, load_em_sourc
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import read_instance_ids
 from torchtitan.errors import run_cli
+
+import_main = script_module("helpers/import_stack.py").main
 
 VNC = SHARED / "data" / "vnc" / "stack1"
 VOXEL = "50,4,4"

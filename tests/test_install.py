@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-HELPERS = sorted(p for p in (REPO / "helpers").glob("*.py") if p.name != "__init__.py")
+HELPERS = sorted((REPO / "helpers").glob("*.py"))
 
 
 def _run(cmd, cwd, timeout=600, **kw) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, _env, launch
+from conftest import REPO, _env, launch, script_module
 from torchtitan.checkpoint_reading import checkpoint_keys
 from torchtitan.models import build_backbone
 from torchtitan.models.inflate import (
@@ -124,7 +124,7 @@ def _ok(result):
 
 def _dcp_to_pth(*args: str) -> int:
     """helpers/dcp_to_pth.py in this process (saves the interpreter start of a subprocess)."""
-    from helpers.dcp_to_pth import main
+    main = script_module("helpers/dcp_to_pth.py").main
 
     return main(list(args))
 

@@ -15,15 +15,12 @@ import tomllib
 import pytest
 import torch
 
-from bench.shipped_configs import (
-    Reduction,
-    command,
-    debug_backbone,
-    entry_script,
-    reduced_overrides,
-    shipped_configs,
-)
-from conftest import REPO, _env, read_jsonl
+from conftest import REPO, _env, read_jsonl, script_module
+
+runner = script_module("bench/shipped_configs.py")  # the runner behind bash bench/gpu_smoke.sh
+Reduction, command, debug_backbone = runner.Reduction, runner.command, runner.debug_backbone
+entry_script, reduced_overrides, shipped_configs = (runner.entry_script, runner.reduced_overrides,
+                                                    runner.shipped_configs)
 
 CI_COMPILED = {"demo_segmentation_2d"}
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, debug_run, launch, read_jsonl
+from conftest import REPO, debug_run, launch, read_jsonl, script_module
 
 datasets = pytest.importorskip("datasets")
 
@@ -148,7 +148,7 @@ def test_push_to_hub_without_a_token_stops_with_a_clear_message(demo_data, tmp_p
 
 
 def test_existing_output_needs_force(slices, demo_data, capsys):
-    from helpers.create_slice_dataset import main
+    main = script_module("helpers/create_slice_dataset.py").main
 
     assert main(["--zarr", str(demo_data), "--out", str(slices)]) == 2
     assert "--force" in capsys.readouterr().err

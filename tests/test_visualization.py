@@ -12,6 +12,7 @@ import torch
 import zarr
 from PIL import Image
 
+from conftest import script_module
 from torchtitan.tools.demo_data import generate_demo_data
 from torchtitan.tools.drawing import (
     CLASS_COLORS,
@@ -355,7 +356,7 @@ def test_plot_volumes_single_cli_with_predictions(demo_root, tmp_path):
 
 
 def test_plot_volumes_single_defaults_and_errors(demo_root, tmp_path):
-    from helpers.plot_volumes_single import main
+    main = script_module("helpers/plot_volumes_single.py").main
     from torchtitan.datasets.cellmap import DatasetError
 
     out = tmp_path / "crop4.gif"
@@ -374,7 +375,7 @@ def test_plot_volumes_grid_cli(demo_root, tmp_path):
         assert gif.is_animated and gif.n_frames == 5
         assert gif.width == 2 * (128 + GAP) + GAP
 
-    from helpers.plot_volumes_grid import main
+    main = script_module("helpers/plot_volumes_grid.py").main
 
     out_all = tmp_path / "all.gif"
     main(["--data", str(demo_root), "--classes", "mito,nuc", "--max_frames", "3", "--out", str(out_all)])

@@ -1,9 +1,16 @@
-"""Command-line helpers, run as ``python helpers/<script>.py``: demo data, plots, slice datasets,
-checkpoint conversion. Thin: they parse arguments and call ``torchtitan``. A package (installed
-with the project, see pyproject.toml) so that they and the tests can import each other's
-functions without editing the import path."""
+"""The command-line pieces the helper scripts (``helpers/*.py``) share: a parser made from the
+script's docstring, the flags for crops, classes and voxel sizes, and the GIF output options
+with the writer behind them."""
+
+from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from torchtitan.cellmap.classes import check_class_names
+from torchtitan.config_manager import flag_type
+from torchtitan.errors import UserError
+from torchtitan.tools.visualization import save_gif
 
 
 def script_parser(doc: str) -> argparse.ArgumentParser:
@@ -14,12 +21,37 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def parse_list(text: str | None) -> list[str] | None:
+    """A comma-separated flag as a list of its non-empty items; None stays None."""
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+_VOXEL_SIZE = flag_type(type=list[float], check=(lambda v: len(v) in (1, 3) and min(v) > 0,
+                                                  "must be one or three numbers > 0, nm (z,y,x)"))
+
+
+def parse_voxel_size(text):
+    """"8" or "8,8,8" (nm, z, y, x) -> three floats; None (and a parsed tuple) stays as it is.
+    An argparse ``type``: a bad value (no numbers, nan, <= 0) is one argparse error."""
+    if text is None or isinstance(text, tuple):
+        return text
+    values = _VOXEL_SIZE(text)
+    return tuple(values * 3 if len(values) == 1 else values)
+
+
+def parse_classes(text: str | None, crops) -> list[str] | None:
+    """``--classes`` as a list, each a CellMap class or one a crop of ``crops`` annotates (else
+    the error that training gives, with the closest name)."""
+    classes = parse_list(text)
+    if classes:
+        check_class_names(classes, {c for crop in crops for c in crop.classes}, "--classes")
+    return classes
+
+
 def add_gif_args(parser: argparse.ArgumentParser) -> None:
     """The output options both plot helpers share."""
     parser.add_argument("--out", required=True, help="output GIF")
     parser.add_argument("--png", default=None, help="also save the middle frame as this PNG")
-    from torchtitan.config_manager import flag_type
-
     parser.add_argument("--max_frames", type=flag_type(type=int, min=1), default=32,
                         help="number of depth steps (z slices) at most (default: 32)")
     parser.add_argument("--duration_ms", default=150, help="time per frame, ms (default: 150)",
@@ -29,11 +61,6 @@ def add_gif_args(parser: argparse.ArgumentParser) -> None:
 
 def write_gif(frames, args: argparse.Namespace, what: str) -> None:
     """Save the frames as ``--out`` (and the middle one as ``--png``) and say so."""
-    from pathlib import Path
-
-    from torchtitan.errors import UserError
-    from torchtitan.tools.visualization import save_gif
-
     for flag, out in (("--out", args.out), ("--png", args.png)):
         if out and Path(out).is_dir():
             raise UserError(f"{flag} {out} is a folder; give the path of the file to write")
