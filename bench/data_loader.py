@@ -54,6 +54,10 @@ the last minute, the per-minute means and the least-squares trend.
 
 --profile N runs N samples of our dataset under cProfile in this process (no workers) and
 prints the CPU time per sample next to that of the raw reads, and the hot spots.
+
+--breakdown N times, in this process, N samples per repeat with each augmentation option
+alone and with all of them (BREAKDOWN): CPU ms per sample of the worker's part and of what is
+left to the device, next to the chunk reads of the same boxes.
 """
 
 from __future__ import annotations
@@ -162,6 +166,18 @@ AUGMENT_SETTINGS = ("flips", "all", "all@device", "none")
 
 
 def job_config(args, augment: str):
+    if augment not in AUGMENT_SETTINGS:
+        raise SystemExit(f"--augment: {augment!r} is not one of {', '.join(AUGMENT_SETTINGS)}")
+    if augment.startswith("all"):
+        chosen = {**AUGMENT_ALL, "resample_on": "device" if augment == "all@device" else "workers"}
+    else:
+        chosen = {"flips": augment == "flips"}
+    return job_config_with(args, chosen)
+
+
+def job_config_with(args, chosen: dict):
+    """The benchmark's training config with the augmentation options ``chosen`` (every other
+    option at its default; options the config does not have are skipped)."""
     from torchtitan.config_manager import ConfigManager, JobConfig
 
     argv = ["--data.dataset_path", str(args.data), "--data.classes", ",".join(args.classes),
@@ -170,12 +186,6 @@ def job_config(args, augment: str):
             "--model.ndim", "3", "--model.crop_size", ",".join([str(args.crop)] * 3),
             "--training.batch_size", str(args.batch_size), "--training.seed", str(args.seed)]
     fields = {f.name for f in dataclasses.fields(JobConfig().augmentation)}
-    if augment not in AUGMENT_SETTINGS:
-        raise SystemExit(f"--augment: {augment!r} is not one of {', '.join(AUGMENT_SETTINGS)}")
-    if augment.startswith("all"):
-        chosen = {**AUGMENT_ALL, "resample_on": "device" if augment == "all@device" else "workers"}
-    else:
-        chosen = {"flips": augment == "flips"}
     for name, value in chosen.items():
         if name in fields:
             if isinstance(value, bool):
@@ -530,7 +540,12 @@ def run_profile(samples, n: int, draws) -> None:
 
 
 def device_share(samples, n: int) -> None:
-    """CPU time of what is still done to these samples on the device (``Batch.to``:
+    print(f"left to the device (Batch.to + augment_on_device on this CPU, one thread): "
+          f"{device_seconds(samples, range(1, n + 1)) / n * 1e3:.0f} ms/sample")
+
+
+def device_seconds(samples, indices) -> float:
+    """CPU seconds of what is still done to these samples on the device (``Batch.to``:
     normalising raw EM; ``augment_on_device``: rotation and zoom with ``resample_on=device``,
     intensity changes), one sample (a batch of one) at a time on one thread: the price of a
     CPU-only run; a GPU does it in next to no time."""
@@ -539,7 +554,7 @@ def device_share(samples, n: int) -> None:
     from torchtitan.datasets.augment import augment_on_device
     from torchtitan.datasets.batch import collate
 
-    batches = [collate([samples[g]]) for g in range(1, n + 1)]
+    batches = [collate([samples[g]]) for g in indices]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -550,8 +565,75 @@ def device_share(samples, n: int) -> None:
         spent = time.process_time() - start
     finally:
         torch.set_num_threads(threads)
-    print(f"left to the device (Batch.to + augment_on_device on this CPU, one thread): "
-          f"{spent / n * 1e3:.0f} ms/sample")
+    return spent
+
+
+# One augmentation option at a time (the others off, flips included), then all of them: what
+# each costs a loader worker per sample, and what it leaves to the device.
+BREAKDOWN = {
+    "none": {"flips": False},
+    "flips": {"flips": True},
+    "rot90": {"flips": False, "rot90": True},
+    "rotate_deg": {"flips": False, "rotate_deg": AUGMENT_ALL["rotate_deg"],
+                   "resample_on": "workers"},
+    "scale": {"flips": False, "scale": AUGMENT_ALL["scale"], "resample_on": "workers"},
+    "rotate_deg+scale@device": {"flips": False, "rotate_deg": AUGMENT_ALL["rotate_deg"],
+                                "scale": AUGMENT_ALL["scale"], "resample_on": "device"},
+    "intensity": {"flips": False, **{k: AUGMENT_ALL[k] for k in
+                                     ("contrast", "gamma", "noise_std", "blur_sigma")}},
+    "all": {**AUGMENT_ALL, "resample_on": "workers"},
+    "all@device": {**AUGMENT_ALL, "resample_on": "device"},
+}
+
+
+def run_breakdown(args, n: int) -> None:
+    """CPU milliseconds per sample, in this process (no workers), of every BREAKDOWN setting:
+    the worker's part (``samples[g]``: reading, moving, composing targets) and the device's
+    part (``device_seconds``), with the chunk reads of the same boxes (raw[chunks]) as the
+    floor. Settings alternate their order over --repeats, each repeat on new samples; medians."""
+    built = {}
+    for name, chosen in BREAKDOWN.items():
+        cfg = job_config_with(args, chosen)
+        built[name] = (cfg, build_ours(cfg))
+    samples = built["none"][1]
+    for _, s in built.values():
+        s[0]  # open the arrays first
+    draws = raw_draws(samples, samples.crops, args.classes, n * args.repeats + 1, args.seed,
+                      args.crop)
+    _read_sample(draws[0], kind="chunks")
+    names = ["raw[chunks]", *BREAKDOWN]
+    worker = {k: [] for k in names}
+    device = {k: [] for k in BREAKDOWN}
+    for repeat in range(args.repeats):
+        indices = range(1 + repeat * n, 1 + (repeat + 1) * n)
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            start = time.process_time()
+            if name == "raw[chunks]":
+                for reads in draws[indices.start:indices.stop]:
+                    _read_sample(reads, kind="chunks")
+                worker[name].append((time.process_time() - start) / n * 1e3)
+                continue
+            s = built[name][1]
+            for g in indices:
+                s[g]
+            worker[name].append((time.process_time() - start) / n * 1e3)
+            device[name].append(device_seconds(s, indices) / n * 1e3)
+            print(f"  repeat {repeat}: {name:24s} workers {worker[name][-1]:6.1f} ms, "
+                  f"device {device[name][-1]:6.1f} ms", flush=True)
+    print(f"\n{args.crop}^3 samples at {VOXEL_NM[0]:g} nm, classes {','.join(args.classes)}, "
+          f"one process, {n} samples per repeat, median of {args.repeats} (min-max), CPU ms "
+          "per sample; 'workers' = samples[g] (what a loader worker does), 'device' = Batch.to "
+          "+ augment_on_device on this CPU, one thread")
+    med = {k: statistics.median(v) for k, v in worker.items()}
+    print(f"{'setting':24s} {'workers ms':>20s} {'x none':>7s} {'device ms':>20s}  "
+          "options switched on")
+    for name in names:
+        w = worker[name]
+        cells = f"{med[name]:6.1f} ({min(w):6.1f}-{max(w):6.1f})"
+        d = device.get(name)
+        dev = f"{statistics.median(d):6.1f} ({min(d):6.1f}-{max(d):6.1f})" if d else "-"
+        on = augment_summary(*built[name]) if name in built else "the chunk reads alone"
+        print(f"{name:24s} {cells:>20s} {med[name] / med['none']:7.2f} {dev:>20s}  {on}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,12 +673,18 @@ def main() -> None:
     p.add_argument("--memory-log", default=None, help="memory mode: write the samples as CSV")
     p.add_argument("--profile", type=int, default=0,
                    help="cProfile this many samples of our dataset in one process")
+    p.add_argument("--breakdown", type=int, default=0,
+                   help="CPU time per sample of each augmentation option alone and of all, "
+                        "this many samples per repeat, in one process (see BREAKDOWN)")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.batches = 1, 4
     args.skip = args.skip or 2 * args.workers + 1
 
     make_store(args.data, seed=0)
+    if args.breakdown:
+        run_breakdown(args, args.breakdown)
+        return
     augments = args.augment.split(",")
     built = {}
     for a in augments:
@@ -674,6 +762,12 @@ def main() -> None:
         print(f"{reader:12s} {cells[0]:>19s} {cells[1]:>19s} {vs_raw:>9s} {vs_chunks:>17s} "
               f"{vs_cm:>13s}")
     print("ratios: wall / CPU; targets: ours / raw at least 0.8, ours / cellmap at least 2")
+    if "ours[none]" in med:
+        for a in augments:
+            if a != "none":
+                print(f"ours[{a}] / ours[none] (wall / CPU): "
+                      + "/".join(f"{med[f'ours[{a}]'][i] / med['ours[none]'][i]:.2f}"
+                                 for i in (0, 1)))
     for r in ("raw[ts]", "raw[ts-http]"):
         if r in med and "raw[chunks]" in med:
             print(f"{r} / raw[chunks] (wall / CPU): "
