@@ -133,9 +133,12 @@ def test_trainer_mae_and_multiscale_match_one_process(demo_data, tmp_path):
                          ids=["cp2_to_single", "single_to_cp2"])
 def test_checkpoints_move_between_cp_and_one_process(seg_single, demo_data, tmp_path, save,
                                                      load):
+    # warmup_steps (5) outlasts both runs, so stopping at step 2 leaves the LR schedule of the
+    # uninterrupted 4-step run unchanged; steps 3 and 4 test the restored weights and the
+    # restored optimizer state
     dump = tmp_path / "run"
     _train(SEG3D, demo_data, dump, save[0], *save[1], steps=2)
     assert (dump / "checkpoint" / "step-2" / ".metadata").is_file()
-    out = _train(SEG3D, demo_data, dump, load[0], *load[1], steps=3)
-    assert "resumed from" in out
-    assert train_losses(dump)[3] == pytest.approx(seg_single[3], rel=1e-5)
+    out = _train(SEG3D, demo_data, dump, load[0], *load[1], steps=STEPS)
+    assert "resumed from" in out and "step-2" in out, out[-2000:]
+    _same(seg_single, train_losses(dump), f"resumed {save} -> {load}")
