@@ -124,6 +124,7 @@ class CropVolume:
     voxel_size: tuple[float, ...]  # nm, the grid's spacing (data.voxel_size)
     classes: list[str]  # the class of each channel of target and valid (data.classes)
     annotated: list[str]  # the classes the crop annotates (the only ones scored)
+    name: str  # the crop's full name (dataset/crop), as logs and pictures show it
     # Instance classes stored with object ids, scored against those ids (touching instances
     # stay apart), as the scoring command does: class name -> (D, H, W) ids.
     instance_ids: dict[str, np.ndarray] = field(default_factory=dict)

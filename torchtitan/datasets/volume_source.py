@@ -69,7 +69,8 @@ def _volume(cfg, crop, origin, arrays: SampleArrays, instance_ids: dict) -> Crop
         torch.from_numpy(arrays.image), torch.from_numpy(arrays.target > 0),
         torch.from_numpy(arrays.valid > 0), origin,
         voxel_size=tuple(float(v) for v in cfg.data.voxel_size), classes=classes,
-        annotated=[c for c in classes if annotates(crop, c)], instance_ids=instance_ids)
+        annotated=[c for c in classes if annotates(crop, c)], name=crop.full_name,
+        instance_ids=instance_ids)
 
 
 class CellMapSource:

@@ -52,7 +52,7 @@ class SegmentationTask(TaskBase):
 
     def __init__(self, cfg, visuals: SegmentationVisuals | None = None):
         super().__init__(cfg, visuals)
-        self._val_cache: dict[str, CropVolume] = {}
+        self._val_cache: dict[int, CropVolume] = {}  # by position in source.val_crops
 
     # -- data -----------------------------------------------------------------------------------
 
@@ -88,11 +88,11 @@ class SegmentationTask(TaskBase):
 
     # -- validation -----------------------------------------------------------------------------
 
-    def _val_volume(self, crop) -> CropVolume:
-        """A whole validation crop on the training grid (cached: crops are small)."""
-        if crop.full_name not in self._val_cache:
-            self._val_cache[crop.full_name] = self.source.read_volume(crop)
-        return self._val_cache[crop.full_name]
+    def _val_volume(self, i: int) -> CropVolume:
+        """The ``i``-th validation crop, whole on the training grid (cached: crops are small)."""
+        if i not in self._val_cache:
+            self._val_cache[i] = self.source.read_volume(self.source.val_crops[i])
+        return self._val_cache[i]
 
     def validate(self, model, ctx: ValidationContext) -> dict[str, float]:
         """Predict each rank's whole validation crops (sliding window), score them with the
@@ -108,23 +108,24 @@ class SegmentationTask(TaskBase):
         cfg, inf = self.cfg, self.cfg.inference
         post = PostProcessing.from_config(inf)
         classes = list(cfg.data.classes)
-        mine = self.source.val_crops[ctx.dp_rank::ctx.dp_degree]
+        crops = self.source.val_crops
+        mine = range(ctx.dp_rank, len(crops), ctx.dp_degree)  # this rank's crops, by position
         predictor = VolumePredictor.from_config(model, cfg, ctx.device)
         # Sharded models need the same number of forwards on every rank: count them first.
-        forwards = {c.full_name: predictor.forward_count(self.source.grid(c)[1]) for c in mine}
+        forwards = {i: predictor.forward_count(self.source.grid(crops[i])[1]) for i in mine}
         calls = sum(forwards.values())
         idle = most_forwards(calls, ctx) - calls
         per_crop, per_crop_post = [], []
         skipped = 0
-        for crop in mine:
+        for i in mine:
             try:
-                vol = self._val_volume(crop)
+                vol = self._val_volume(i)
             except READ_ERRORS as e:
                 # Like a training read (data/resampled): warn, count, go on. This rank still
                 # runs the crop's forwards (idle) so that sharded ranks stay in step.
-                logger.warning("validation crop %s skipped: %s", crop.full_name, e)
+                logger.warning("validation crop %s skipped: %s", crops[i].full_name, e)
                 skipped += 1
-                idle += forwards[crop.full_name]
+                idle += forwards[i]
                 continue
             prob = predictor.predict_volume(vol.image)
             pred = (prob > inf.threshold).numpy()
@@ -138,7 +139,7 @@ class SegmentationTask(TaskBase):
                 per_crop_post.append(score_crop(postprocess(masks, vol.voxel_size, post),
                                                 truth, valid_by_class, vol.voxel_size))
             if ctx.writes_files and self.visuals is not None:
-                self._visualize(ctx, crop, vol, pred, classes)
+                self._visualize(ctx, vol, pred, classes)
         predictor.idle_forwards(idle)
         if ctx.dp_group is not None:
             gathered: list = [None] * ctx.dp_degree
@@ -153,9 +154,9 @@ class SegmentationTask(TaskBase):
         scores["val/skipped_crops"] = float(skipped)
         return scores
 
-    def _visualize(self, ctx: ValidationContext, crop, vol: CropVolume, pred, classes) -> None:
+    def _visualize(self, ctx: ValidationContext, vol: CropVolume, pred, classes) -> None:
         self.visuals(
-            Path(self.cfg.job.dump_folder) / "visuals", crop.full_name, ctx.step,
+            Path(self.cfg.job.dump_folder) / "visuals", vol.name, ctx.step,
             vol.image[0].numpy(), vol.target.numpy(), pred, classes,
             valid=vol.valid.numpy(), writer=ctx.writer)
 
