@@ -139,13 +139,14 @@ def debug_run(script: str, config: str, data, dump, *extra: str, nproc: int = 0,
 
 
 # Cases that run in the slow suite (./run_tests.sh -m slow) because another CI test already
-# covers their kind: CI keeps one warm start, one real kill and resume, real signals (the SLURM
+# covers their kind: CI keeps one warm start (an MAE encoder into a segmentation run), one real kill and resume, real signals (the SLURM
 # scripts' SIGUSR1 and time limit), most shipped configs as shipped, FSDP/TP parity and DCP
 # resumes, and keeps the non-slow suite within its 30 minutes on 2 cores.
 SLOW_SUITE_CASES = (
     "test_reliability_checkpoint.py::test_exclude_from_loading_applies_to_the_warm_start_only",
     "test_reliability_checkpoint.py::test_model_changes_stop_the_resume_and_other_changes_are_kept",
     "test_reliability_checkpoint.py::test_disk_full_on_rank1_keeps_the_previous_checkpoint",
+    "test_reliability_checkpoint.py::test_initial_load_path_with_checkpointing_off",
     "test_shipped_configs.py::test_shipped_config_runs[demo_segmentation_2d]",
     "test_shipped_configs.py::test_shipped_config_runs[debug_mae_2d]",
     "test_shipped_configs.py::test_shipped_config_runs[quickstart_mae_2d]",
