@@ -88,8 +88,8 @@ def read_crop_slices(source, crop, classes: list[str], voxel_size) -> dict:
     bool, the grid's ``origin`` and ``shape``, and the ``annotated`` classes."""
     origin, shape = crop_grid(crop, voxel_size)
     arrays = CropReader([source], classes, voxel_size).read(crop, origin, shape)
-    em = np.clip(np.rint((arrays["image"][0] + 1.0) * 127.5), 0, 255).astype(np.uint8)
-    return {"em": em, "truth": arrays["target"] > 0, "valid": arrays["valid"] > 0,
+    em = np.clip(np.rint((arrays.image[0] + 1.0) * 127.5), 0, 255).astype(np.uint8)
+    return {"em": em, "truth": arrays.target > 0, "valid": arrays.valid > 0,
             "origin": origin, "shape": shape,
             "annotated": [c for c in classes if annotates(crop, c)]}
 

@@ -90,9 +90,9 @@ def test_training_validation_scoring_and_plots_agree_on_instance_ids(instance_cr
 
     # Validation: what the segmentation task reads of a whole validation crop.
     samples = SegmentationSamples([source], [crop], ["mito"], VOXEL, (8, 8, 8), seed=0)
-    vol = samples.read(crop, origin, shape)
-    np.testing.assert_array_equal(vol["target"][0] > 0, present)
-    np.testing.assert_array_equal(vol["valid"][0] > 0, annotated)
+    vol = samples.reader.read(crop, origin, shape)
+    np.testing.assert_array_equal(vol.target[0] > 0, present)
+    np.testing.assert_array_equal(vol.valid[0] > 0, annotated)
     np.testing.assert_array_equal(read_instance_ids(crop, "mito", origin, VOXEL, shape), ids)
 
     # Plots: what the helper draws as ground truth.

@@ -202,7 +202,7 @@ def test_16bit_multipage_tiff_em_keeps_its_range_and_labels_from_a_glob(tmp_path
     assert source.levels[0].path.endswith("fibsem-uint16/s0")
     (crop,) = source.crops
     origin, shape = crop_grid(crop, cfg.data.voxel_size)
-    image = CropReader([source], ["pm"], cfg.data.voxel_size).read(crop, origin, shape, raw_em=True)["image"]
+    image = CropReader([source], ["pm"], cfg.data.voxel_size).read(crop, origin, shape, raw_em=True).image
     lo, hi = float(em.min()), float(em.max())
     np.testing.assert_allclose(image[0], np.rint((em - lo) * (255 / (hi - lo))), atol=1)
 
@@ -399,10 +399,10 @@ def test_vnc_sections_import_and_read_back_through_the_dataset_code(tmp_path, ca
     origin, shape = crop_grid(val[0], cfg.data.voxel_size)
     assert shape == (1, 1024, 1024)
     vol = reader.read(val[0], origin, shape, raw_em=True)
-    np.testing.assert_array_equal(vol["image"][0, 0], em[2])
+    np.testing.assert_array_equal(vol.image[0, 0], em[2])
     want = {"pm": np.isin(lab[2], [0, 32, 64, 96, 128]), "mito": lab[2] == 191, "ecs": lab[2] == 159}
     for k, cls in enumerate(classes):
-        np.testing.assert_array_equal(vol["target"][k, 0] > 0, want[cls])
+        np.testing.assert_array_equal(vol.target[k, 0] > 0, want[cls])
     assert 0.1 < want["pm"].mean() < 0.25 and 0.02 < want["mito"].mean() < 0.1
     ids = read_instance_ids(val[0], "mito", origin, cfg.data.voxel_size, shape)
     assert ids.max() > 10 and np.array_equal(ids[0] > 0, want["mito"])

@@ -172,13 +172,13 @@ def test_unannotated_classes_and_unknown_voxels_are_masked(nested):
     src, lab = nested
     ds = SegmentationSamples([src], src.crops[:2], ["mito_lum", "nuc", "mito"], (8, 8, 8), (8, 8),
                              seed=0, augment=False)
-    arrays = ds.read(src.crops[0], np.zeros(3), (8, 16, 16))
-    assert not arrays["valid"][1].any()  # nuc: no group, no parts
-    np.testing.assert_array_equal(arrays["valid"][0], lab["lum"] != 255)
-    np.testing.assert_array_equal(arrays["target"][0], lab["lum"] == 1)
+    arrays = ds.reader.read(src.crops[0], np.zeros(3), (8, 16, 16))
+    assert not arrays.valid[1].any()  # nuc: no group, no parts
+    np.testing.assert_array_equal(arrays.valid[0], lab["lum"] != 255)
+    np.testing.assert_array_equal(arrays.target[0], lab["lum"] == 1)
     # Outside the crop (box half outside): invalid.
-    arrays = ds.read(src.crops[0], np.array([0.0, 64.0, 0.0]), (8, 16, 16))
-    assert arrays["valid"][0, :, :8].any() and not arrays["valid"][0, :, 8:].any()
+    arrays = ds.reader.read(src.crops[0], np.array([0.0, 64.0, 0.0]), (8, 16, 16))
+    assert arrays.valid[0, :, :8].any() and not arrays.valid[0, :, 8:].any()
 
 
 def test_instance_ids_give_binary_targets_and_ids(nested):

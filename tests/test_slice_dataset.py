@@ -115,11 +115,11 @@ def test_slices_equal_the_zarr_reading(slices, demo_data, dataset, crop, axis, i
     assert item["origin"] == pytest.approx(origin.tolist()) and tuple(item["shape"]) == shape
     samples = build_segmentation_samples(_cfg("--data.classes", ",".join(CLASSES)), [source],
                                          [label_crop])
-    zarr = samples.read(label_crop, origin, shape)  # what validation reads: normalized EM
+    zarr = samples.reader.read(label_crop, origin, shape)  # what validation reads: normalized EM
 
     image = np.asarray(item["image"])
     assert image.dtype == np.uint8
-    expected = zarr["image"][0].take(index, ax)
+    expected = zarr.image[0].take(index, ax)
     # EM is stored in 8 bits: exact where the EM grid is the training grid, else rounded.
     atol = 1e-6 if em_on_grid else 0.5 / 127.5 + 1e-6
     np.testing.assert_allclose(normalize_em(image), expected, atol=atol, rtol=0)
@@ -127,8 +127,8 @@ def test_slices_equal_the_zarr_reading(slices, demo_data, dataset, crop, axis, i
         label = np.asarray(item[f"label_{cls}"])
         valid = np.asarray(item[f"valid_{cls}"])
         assert label.dtype == bool and label.shape == image.shape
-        np.testing.assert_array_equal(label, zarr["target"][k].take(index, ax) > 0)
-        np.testing.assert_array_equal(valid, zarr["valid"][k].take(index, ax) > 0)
+        np.testing.assert_array_equal(label, zarr.target[k].take(index, ax) > 0)
+        np.testing.assert_array_equal(valid, zarr.valid[k].take(index, ax) > 0)
         assert (cls in item["annotated"]) == annotates(label_crop, cls)
         if not annotates(label_crop, cls):
             assert not valid.any()

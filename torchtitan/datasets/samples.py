@@ -216,16 +216,11 @@ class CropReader:
         self.classes = list(classes)
         self.voxel_size = np.asarray(voxel_size, dtype=float)
 
-    def read_arrays(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> SampleArrays:
+    def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> SampleArrays:
         """``image`` (1, *shape) (normalised float32, or uint8 with ``raw_em``), ``target``
         and ``valid`` (K, *shape) (uint8 0/1) of one box of the training grid (3D arrays)."""
         stored = self.read_stored(crop, groups_to_read(crop, self.classes), origin, shape, raw_em)
         return self.compose(crop, stored, stored.image.shape[1:])
-
-    def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
-        """:meth:`read_arrays` by name (``image``, ``target``, ``valid``), for scripts."""
-        box = self.read_arrays(crop, origin, shape, raw_em)
-        return {"image": box.image, "target": box.target, "valid": box.valid}
 
     def read_stored(self, crop: LabelCrop, groups: list[str], origin, shape,
                     raw_em: bool) -> SampleArrays:
@@ -462,10 +457,6 @@ class SegmentationSamples(SampleDataset):
         state = self.__dict__.copy()
         state["_fg_cache"] = OrderedDict()  # workers rebuild what they need
         return state
-
-    def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> dict[str, np.ndarray]:
-        """:meth:`CropReader.read` (what validation reads of a whole crop)."""
-        return self.reader.read(crop, origin, shape, raw_em)
 
     # -- where ------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ the planes ``data.planes`` allows.
 
 Validation needs no zarr either: the slices of a held-out crop along one axis are the planes
 of its whole grid, so stacking them (:class:`SliceReader`) gives back the volume that
-validation on the zarr stores reads (``crop_grid`` + ``samples.CropReader.read_arrays``), and
+validation on the zarr stores reads (``crop_grid`` + ``samples.CropReader.read``), and
 the held-out crops are predicted and scored the same way (``volume_source.py``).
 """
 
@@ -157,7 +157,7 @@ class SliceReader:
 
     def read(self, crop: SliceCrop, shape) -> SampleArrays:
         """A whole crop on its grid, stacked from its slices: ``image`` (1, D, H, W) and
-        ``target`` / ``valid`` (K, D, H, W) float32, as ``CropReader.read_arrays`` gives for
+        ``target`` / ``valid`` (K, D, H, W) float32, as ``CropReader.read`` gives for
         ``crop_grid(crop)``; ``shape`` must be the crop's."""
         if tuple(int(s) for s in shape) != crop.shape:
             raise DatasetError(

@@ -88,7 +88,7 @@ class CellMapSource:
             self.ems, self.train_crops, self.val_crops = load_em_sources(cfg), [], []
             logger.info("MAE data: %d EM volumes (%s)", len(self.ems),
                         ", ".join(s.name for s in self.ems))
-        self.reader = CropReader(self.ems, d.classes, d.voxel_size)
+        self.reader = CropReader(self.ems, d.classes, d.voxel_size) if labels else None
 
     def segmentation_dataset(self) -> Dataset:
         return build_segmentation_samples(self.cfg, self.ems, self.train_crops)
@@ -112,7 +112,7 @@ class CellMapSource:
                 stored = read_instance_ids(crop, name, origin, vox, shape)
                 if stored is not None and stored.max(initial=0) > 1:
                     ids[name] = stored
-        return _volume(self.cfg, crop, origin, self.reader.read_arrays(crop, origin, shape), ids)
+        return _volume(self.cfg, crop, origin, self.reader.read(crop, origin, shape), ids)
 
 
 class SliceSource:
