@@ -19,7 +19,10 @@ Cases (--cases):
       dense head, so the goal's ratio is backbone to backbone: each model's final-normalised
       patch tokens, loss = their mean square. "ours+linear" is the full segmentation model
       (the same backbone, features of four blocks, 1x1 conv to 4 classes, trilinear upsampling
-      to 96^3, loss = mean square of the logits), for what the head costs.
+      to 96^3, loss = mean square of the logits), for what the head costs; its logits are
+      upsampled and reduced slab by slab as the trainer's loss takes them (``Loss.resized``).
+      "ours+linear, bce" is that model with the trainer's default loss (BCE against random
+      0/1 targets, per-voxel validity), the step a user's training runs.
   2d  our ``dinov3_vitb16`` (2D, 3 channels) at 224^2, batch 8, against timm's
       ``vit_base_patch16_224`` (``num_classes=0``); loss = mean square of the final-normalised
       patch tokens of each.
@@ -54,7 +57,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from torchtitan.models import SegmentationModel, build_backbone, training_flops_per_sample
+from torchtitan.models import (SegmentationModel, build_backbone, build_loss,
+                               training_flops_per_sample)
+from torchtitan.models.resize import slab_statistics
 from torchtitan.models.flops import block_training_flops, linear_training_flops
 
 MONAI_HINT = ".venv/bin/pip install --no-deps monai==1.6.1 einops==0.8.1"
@@ -131,6 +136,28 @@ def our_extras(vit) -> str:
             f"buffer), no position table")
 
 
+def mean_square_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
+    """Mean square of the model's logits resized to the input's size, the way the trainer
+    takes its loss on them: slab by slab from the patch grid (``Loss.resized``)."""
+    logits = model(x, resize=False)
+    (sq,) = slab_statistics(lambda z, t, v: (z.square().sum(),), logits, x.shape[2:])
+    return sq / (logits.shape[0] * logits.shape[1] * x[0, 0].numel())
+
+
+def bce_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
+    """The trainer's default loss (``model.loss = "bce"``), as ``SegmentationTask.loss_terms``
+    takes it, against fixed random 0/1 targets with a per-voxel validity mask."""
+    logits = model(x, resize=False)
+    shape = (x.shape[0], logits.shape[1], *x.shape[2:])
+    if getattr(model, "bench_targets", None) is None or model.bench_targets.shape != shape:
+        g = torch.Generator().manual_seed(2)
+        model.bench_targets = (torch.rand(shape, generator=g) > 0.7).to(torch.uint8)
+        model.bench_valid = torch.ones(shape, dtype=torch.uint8)
+    total, count = build_loss("bce").resized(logits, x.shape[2:], model.bench_targets,
+                                             model.bench_valid)
+    return total / count
+
+
 def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...]]:
     ViT = import_monai_vit()
     torch.manual_seed(0)
@@ -142,6 +169,7 @@ def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...
 
     ours = backbone()
     seg = SegmentationModel(backbone(), num_classes, head="linear")
+    seg_bce = SegmentationModel(backbone(), num_classes, head="linear")
     monai = ViT(in_channels=1, img_size=s["size"], patch_size=s["patch"], hidden_size=s["dim"],
                 mlp_dim=4 * s["dim"], num_layers=s["depth"], num_heads=s["heads"],
                 spatial_dims=3, classification=False)
@@ -150,9 +178,13 @@ def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...
         Entry("ours", ours, lambda x, m=ours: m.forward_features(x)["x_norm_patchtokens"]
               .square().mean(), training_flops_per_sample(ours, shape), ours.blocks,
               our_extras(ours)),
-        Entry("ours+linear", seg, lambda x, m=seg: m(x).square().mean(),
+        Entry("ours+linear", seg, lambda x, m=seg: mean_square_of_resized(m, x),
               training_flops_per_sample(seg, shape), seg.backbone.blocks,
               f"the backbone + a linear head of {n_params(seg.head)}"),
+        Entry("ours+linear, bce", seg_bce, lambda x, m=seg_bce: bce_of_resized(m, x),
+              training_flops_per_sample(seg_bce, shape), seg_bce.backbone.blocks,
+              "the same, with the trainer's default loss (BCE against 0/1 targets, per-voxel "
+              "validity)"),
         Entry("MONAI ViT", monai, lambda x, m=monai: m(x)[0].square().mean(),
               peer_training_flops(monai, monai.patch_embedding.patch_embeddings, monai.blocks,
                                   n, n), monai.blocks,
@@ -336,8 +368,9 @@ def run_case(case: str, mode: str, args) -> None:
           "more (everything else at zero cost)")
     print(f"\nparameters: ours / {peer.name} = {n_params(ours.model) / n_params(peer.model):.4f}; "
           f"ours has {ours.params_note}; {peer.name} has {peer.params_note}")
-    if len(entries) > 2:
-        print(f"{entries[1].name}: {entries[1].params_note}")
+    for e in entries[1:-1]:
+        print(f"{e.name}: {e.params_note}; step / the backbone's step (medians): "
+              f"**{statistics.median(e.times) / statistics.median(ours.times):.3f}x**")
     sys.stdout.flush()
 
 

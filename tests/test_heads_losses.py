@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,11 +150,17 @@ def test_head_training_flops_match_flop_counter(head, ndim):
     model = seg_model(ndim, head)
     size, _ = SIZES[ndim]
     grid = [s // 8 for s in size]
-    features = [torch.randn(2, model.backbone.embed_dim, *grid, requires_grad=True)
-                for _ in model.out_indices]
     image = torch.randn(2, 1, *size)
+    if head == "linear":  # it reads the tokens (B, N, C)
+        features = [torch.randn(2, math.prod(grid), model.backbone.embed_dim, requires_grad=True)
+                    for _ in model.out_indices]
+        args = (features, grid)
+    else:
+        features = [torch.randn(2, model.backbone.embed_dim, *grid, requires_grad=True)
+                    for _ in model.out_indices]
+        args = (features, image)
     with FlopCounterMode(display=False) as counter:
-        model.head(features, image).sum().backward()
+        model.head(*args).sum().backward()
     measured = counter.get_total_flops() / 2
     assert model.head.training_flops(grid) == measured
 
@@ -380,7 +388,7 @@ def test_task_passes_head_image_levels():
                                         ((1, 2, 6, 6, 6), (4, 9, 6)),  # down, up, same
                                         ((2, 4, 5, 7), (40, 56))])  # bilinear
 def test_resize_linear_matches_interpolate_forward_and_backward(shape, size):
-    from torchtitan.models.segmentation import resize_linear
+    from torchtitan.models.resize import resize_linear
 
     torch.manual_seed(0)
     x = torch.randn(shape, requires_grad=True)
@@ -394,3 +402,67 @@ def test_resize_linear_matches_interpolate_forward_and_backward(shape, size):
     our_grad, = torch.autograd.grad(ours, x, grad)
     # Each input gathers hundreds of terms: compare relative to the largest gradient.
     assert (our_grad - ref_grad).abs().max() <= 2e-5 * ref_grad.abs().max()
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("grid,size,per_class", [((3, 4, 2), (20, 17, 8), False),  # 3D, up
+                                                 ((5, 3, 4), (5, 12, 16), True),  # first axis kept
+                                                 ((4, 5), (33, 40), False)])  # 2D
+def test_resized_loss_equals_the_loss_of_the_resized_logits(name, grid, size, per_class,
+                                                            monkeypatch):
+    """``Loss.resized`` (slab by slab, what training does on the linear head's logits) gives
+    the sum, count and gradient of the loss taken on the whole resized logits, for every loss,
+    with class weights, per-voxel or per-class validity, and slabs that do not divide the rows."""
+    from torchtitan.models import resize
+
+    monkeypatch.setitem(resize.SLAB_ELEMENTS, "cpu", 4 * 3 * 3 * math.prod(size[1:]))  # 3 rows
+    logits, targets, valid = loss_inputs(len(size))
+    full = F.interpolate(targets, size=size, mode="nearest")
+    valid = F.interpolate(valid, size=size, mode="nearest")
+    if per_class:
+        valid = valid.amax(dim=tuple(range(2, valid.dim())), keepdim=True)
+    full[valid.expand_as(full) == 0] = 255
+    low = torch.randn(4, 3, *grid, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    loss = build_loss(name, [1.0, 2.0, 0.5])
+    total, count = loss(resize.resize_linear(low, size), full, valid)
+    grad, = torch.autograd.grad(total / count, low)
+    total_s, count_s = loss.resized(low, size, full, valid)
+    grad_s, = torch.autograd.grad(total_s / count_s, low)
+    torch.testing.assert_close(total_s, total, rtol=1e-5, atol=1e-6)
+    assert count_s == count
+    assert (grad_s - grad).abs().max() <= 1e-5 * grad.abs().max()
+    assert grad.abs().max() > 0
+
+
+def test_slab_statistics_keep_no_full_resolution_tensor_for_the_backward():
+    """The point of the slabs: what autograd keeps between forward and backward (seen by a
+    saved-tensor hook) is far below one tensor of full-resolution logits."""
+    from torchtitan.models.resize import slab_statistics
+
+    low = torch.randn(1, 2, 4, 4, 4, requires_grad=True)
+    size = (64, 64, 64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
+        (sq,) = slab_statistics(lambda z, t, v: (z.square().sum(),), low, size)
+    sq.backward()
+    full = 2 * math.prod(size)
+    assert max(saved) < full / 8
+    resized = F.interpolate(low, size=size, mode="trilinear", align_corners=False)
+    torch.testing.assert_close(sq, resized.square().sum(), rtol=1e-5, atol=0)
+    grad, = torch.autograd.grad(resized.square().sum(), low)
+    torch.testing.assert_close(low.grad, grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_linear_head_on_tokens_is_its_1x1_convolution_on_the_feature_maps(ndim):
+    """The linear head applies its 1x1 convolution to the tokens as a linear layer; the
+    logits are those of the convolution on the concatenated feature maps."""
+    model = seg_model(ndim, "linear")
+    grid = (3, 4, 5)[-ndim:]
+    tokens = [torch.randn(2, math.prod(grid), model.backbone.embed_dim) for _ in model.out_indices]
+    maps = [t.transpose(1, 2).reshape(2, -1, *grid) for t in tokens]
+    with torch.no_grad():
+        model.head.conv.weight.normal_()
+        torch.testing.assert_close(model.head(tokens, grid),
+                                   model.head.conv(torch.cat(maps, dim=1)), rtol=1e-5, atol=1e-5)

@@ -25,12 +25,13 @@ treats the classes as mutually exclusive, with an implicit background class.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .resize import slab_statistics
 
 LossTerms = tuple[Tensor, Tensor]  # (sum of the loss terms, their count)
 LossFn = Callable[[Tensor, Tensor, Tensor], LossTerms]
@@ -63,7 +64,12 @@ def _class_weights(class_weights: ClassWeights, logits: Tensor) -> Tensor | None
     return w.view(1, -1, *([1] * (logits.dim() - 2)))
 
 
-def _bce_per_sample(logits, targets, valid, class_weights) -> LossTerms:
+# ----------------------------------------------------------------------------- statistics
+# Each loss is a function of sums over voxels (its statistics: each the sum of its values
+# over any split of the voxels) followed by a small ``finish`` on those sums. The statistics
+# of the resized logits can thus be taken slab by slab (``resize.slab_statistics``: what
+# training does on the linear head's logits) and give the loss of the whole.
+def _bce_statistics(logits, targets, valid, class_weights) -> tuple[Tensor, Tensor]:
     """Weighted BCE summed over the valid entries of each sample, and their number: (B,), (B,)."""
     v = _valid_mask(valid, logits)
     t = _safe_targets(targets, v, logits.dtype)
@@ -72,20 +78,110 @@ def _bce_per_sample(logits, targets, valid, class_weights) -> LossTerms:
     if w is not None:
         bce = bce * w
     bce = torch.where(v, bce, torch.zeros_like(bce))
-    return bce.flatten(1).sum(1), v.flatten(1).sum(1).to(logits.dtype)
+    return bce.flatten(1).sum(1), v.flatten(1).sum(1)
 
 
-def _dice_per_pair(logits, targets, valid, eps: float) -> LossTerms:
-    """Soft Dice loss of each (sample, class) pair over its valid voxels, and whether the pair
-    has any valid voxel: (B, K) floats, (B, K) bools."""
+def _dice_statistics(logits, targets, valid, class_weights=None) -> tuple[Tensor, ...]:
+    """Per (sample, class) pair over its valid voxels: sum(p t), sum(p), sum(t) of the sigmoid
+    probabilities p, and the number of valid voxels; each (B, K). (Dice weighs whole pairs:
+    its class weights apply in ``_dice_finish``.)"""
     v = _valid_mask(valid, logits)
     t = _safe_targets(targets, v, logits.dtype)
     p = torch.sigmoid(logits)
     p = torch.where(v, p, torch.zeros_like(p))  # invalid voxels: no value, no gradient
-    intersection = (p * t).flatten(2).sum(2)
-    denominator = p.flatten(2).sum(2) + t.flatten(2).sum(2)
-    loss = 1.0 - (2.0 * intersection + eps) / (denominator + eps)
-    return loss, v.flatten(2).any(2)
+    return ((p * t).flatten(2).sum(2), p.flatten(2).sum(2), t.flatten(2).sum(2),
+            v.flatten(2).sum(2))
+
+
+def _dice_per_pair(pt: Tensor, p: Tensor, t: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """Soft Dice loss of each (sample, class) pair, and whether the pair has a valid voxel."""
+    loss = 1.0 - (2.0 * pt + DICE_EPS) / (p + t + DICE_EPS)
+    return loss, n > 0
+
+
+def _weighted_pairs(loss: Tensor, class_weights) -> Tensor:
+    w = _class_weights(class_weights, loss)
+    return loss if w is None else loss * w.view(1, -1)
+
+
+def _ce_statistics(logits, targets, valid, class_weights) -> tuple[Tensor, Tensor]:
+    """Weighted negative log-likelihood summed over the kept voxels, and their number."""
+    v = _valid_mask(valid, logits)
+    t = _safe_targets(targets, v, logits.dtype)
+    keep = v.all(dim=1)  # (B, *spatial)
+    best_value, best_class = t.max(dim=1)
+    index = torch.where(best_value > 0.5, best_class + 1, torch.zeros_like(best_class))
+    nll = F.cross_entropy(_with_background(logits), index, reduction="none")  # (B, *spatial)
+    w = _class_weights(class_weights, logits)
+    if w is not None:
+        w = torch.cat([w.new_ones(1), w.flatten()])  # background first
+        nll = nll * w[index]
+    return torch.where(keep, nll, torch.zeros_like(nll)).sum(), keep.sum()
+
+
+def _bce_finish(stats, class_weights) -> LossTerms:
+    bce_sum, count = stats
+    return bce_sum.sum(), count.sum().to(bce_sum.dtype)
+
+
+def _dice_finish(stats, class_weights) -> LossTerms:
+    loss, has_valid = _dice_per_pair(*stats)
+    loss = _weighted_pairs(loss, class_weights)
+    total = torch.where(has_valid, loss, torch.zeros_like(loss)).sum()
+    return total, has_valid.sum().to(loss.dtype)
+
+
+def _bce_dice_statistics(logits, targets, valid, class_weights) -> tuple[Tensor, ...]:
+    return (*_bce_statistics(logits, targets, valid, class_weights),
+            *_dice_statistics(logits, targets, valid))
+
+
+def _bce_dice_finish(stats, class_weights) -> LossTerms:
+    bce_sum, bce_count = stats[0], stats[1].to(stats[0].dtype)
+    dice, has_valid = _dice_per_pair(*stats[2:])
+    has_class = has_valid & (stats[4] > 0)  # targets are 0 or 1 where valid
+    dice = _weighted_pairs(dice, class_weights)
+    dice_sum = torch.where(has_class, dice, torch.zeros_like(dice)).sum(1)
+    dice_count = has_class.sum(1).to(dice.dtype)
+    keep = bce_count > 0  # samples with any valid voxel (their Dice may have no pair)
+    per_sample = bce_sum / bce_count.clamp_min(1) + dice_sum / dice_count.clamp_min(1)
+    total = torch.where(keep, per_sample, torch.zeros_like(per_sample)).sum()
+    return total, keep.sum().to(bce_sum.dtype)
+
+
+def _ce_finish(stats, class_weights) -> LossTerms:
+    total, count = stats
+    return total, count.to(total.dtype)
+
+
+def _with_background(logits: Tensor) -> Tensor:
+    """(B, K, ...) -> (B, 1 + K, ...) with a constant 0 background logit in front."""
+    return torch.cat([torch.zeros_like(logits[:, :1]), logits], dim=1)
+
+
+class Loss:
+    """One segmentation loss with its class weights: ``loss(logits, targets, valid)`` and
+    ``loss.resized(logits, size, targets, valid)`` both give ``(sum, count)``; the second
+    takes logits below the targets' resolution and equals ``loss(resize_linear(logits,
+    size), targets, valid)``, computed slab by slab (``resize.slab_statistics``)."""
+
+    def __init__(self, name: str, class_weights: ClassWeights = None):
+        _check_loss_name(name)
+        if class_weights is not None and len(class_weights) == 0:
+            class_weights = None
+        self.name, self.class_weights = name, class_weights
+        self._statistics, self._finish = _PARTS[name]
+
+    def statistics(self, logits: Tensor, targets: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
+        return self._statistics(logits, targets, valid, self.class_weights)
+
+    def __call__(self, logits: Tensor, targets: Tensor, valid: Tensor) -> LossTerms:
+        return self._finish(self.statistics(logits, targets, valid), self.class_weights)
+
+    def resized(self, logits: Tensor, size: Sequence[int], targets: Tensor,
+                valid: Tensor) -> LossTerms:
+        stats = slab_statistics(self.statistics, logits, size, targets, valid)
+        return self._finish(stats, self.class_weights)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -96,28 +192,22 @@ def masked_bce_loss(
 
     One term per valid (voxel, class) entry, so ``sum / count`` is the mean BCE over them.
     """
-    total, count = _bce_per_sample(logits, targets, valid, class_weights)
-    return total.sum(), count.sum()
+    return Loss("bce", class_weights)(logits, targets, valid)
 
 
 def soft_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
-                   class_weights: ClassWeights = None, eps: float = DICE_EPS) -> LossTerms:
+                   class_weights: ClassWeights = None) -> LossTerms:
     """Soft Dice on sigmoid probabilities, one term per (sample, class) pair.
 
     For each pair, over its valid voxels: ``1 - (2 sum(p t) + eps) / (sum(p) + sum(t) + eps)``.
     Pairs without a valid voxel (a class the crop does not annotate) are left out; the count is
     the number of pairs kept, so ``sum / count`` is the mean Dice loss over annotated pairs.
     """
-    loss, has_valid = _dice_per_pair(logits, targets, valid, eps)
-    w = _class_weights(class_weights, logits)
-    if w is not None:
-        loss = loss * w.view(1, -1)
-    total = torch.where(has_valid, loss, torch.zeros_like(loss)).sum()
-    return total, has_valid.sum().to(logits.dtype)
+    return Loss("dice", class_weights)(logits, targets, valid)
 
 
 def bce_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
-                  class_weights: ClassWeights = None, eps: float = DICE_EPS) -> LossTerms:
+                  class_weights: ClassWeights = None) -> LossTerms:
     """BCE + soft Dice, one term per sample.
 
     The Dice term covers only the (sample, class) pairs whose valid voxels contain the class;
@@ -134,24 +224,7 @@ def bce_dice_loss(logits: Tensor, targets: Tensor, valid: Tensor,
     ``sum / count`` is thus the batch mean of the per-sample loss (every sample weighs the
     same, however many of its voxels are annotated), and it adds up across any batch split.
     """
-    bce_sum, bce_count = _bce_per_sample(logits, targets, valid, class_weights)
-    dice, has_valid = _dice_per_pair(logits, targets, valid, eps)
-    v = _valid_mask(valid, logits)
-    has_class = has_valid & (_safe_targets(targets, v, logits.dtype) > 0).flatten(2).any(2)
-    w = _class_weights(class_weights, logits)
-    if w is not None:
-        dice = dice * w.view(1, -1)
-    dice_sum = torch.where(has_class, dice, torch.zeros_like(dice)).sum(1)
-    dice_count = has_class.sum(1).to(logits.dtype)
-    keep = bce_count > 0  # samples with any valid voxel (their Dice may have no pair)
-    per_sample = bce_sum / bce_count.clamp_min(1) + dice_sum / dice_count.clamp_min(1)
-    total = torch.where(keep, per_sample, torch.zeros_like(per_sample)).sum()
-    return total, keep.sum().to(logits.dtype)
-
-
-def _with_background(logits: Tensor) -> Tensor:
-    """(B, K, ...) -> (B, 1 + K, ...) with a constant 0 background logit in front."""
-    return torch.cat([torch.zeros_like(logits[:, :1]), logits], dim=1)
+    return Loss("bce_dice", class_weights)(logits, targets, valid)
 
 
 def cross_entropy_loss(
@@ -166,18 +239,7 @@ def cross_entropy_loss(
     label, "background" cannot be told apart from "unlabelled". Class weights scale the terms
     of voxels of that class (background weighs 1); the count is the number of kept voxels.
     """
-    v = _valid_mask(valid, logits)
-    t = _safe_targets(targets, v, logits.dtype)
-    keep = v.all(dim=1)  # (B, *spatial)
-    best_value, best_class = t.max(dim=1)
-    index = torch.where(best_value > 0.5, best_class + 1, torch.zeros_like(best_class))
-    nll = F.cross_entropy(_with_background(logits), index, reduction="none")  # (B, *spatial)
-    w = _class_weights(class_weights, logits)
-    if w is not None:
-        w = torch.cat([w.new_ones(1), w.flatten()])  # background first
-        nll = nll * w[index]
-    total = torch.where(keep, nll, torch.zeros_like(nll)).sum()
-    return total, keep.sum().to(logits.dtype)
+    return Loss("ce", class_weights)(logits, targets, valid)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -187,6 +249,12 @@ LOSSES: dict[str, LossFn] = {
     "bce_dice": bce_dice_loss,
     "ce": cross_entropy_loss,
 }
+_PARTS = {  # name -> (statistics, finish)
+    "bce": (_bce_statistics, _bce_finish),
+    "dice": (_dice_statistics, _dice_finish),
+    "bce_dice": (_bce_dice_statistics, _bce_dice_finish),
+    "ce": (_ce_statistics, _ce_finish),
+}
 MULTI_LABEL_LOSSES = ("bce", "dice", "bce_dice")  # sigmoid per class; "ce" is exclusive
 
 
@@ -195,15 +263,11 @@ def _check_loss_name(name: str) -> None:
         raise ValueError(f"Unknown loss {name!r}; available: {', '.join(LOSSES)}")
 
 
-def build_loss(name: str, class_weights: ClassWeights = None) -> LossFn:
-    """``loss(logits, targets, valid) -> (sum, count)`` for a loss name of ``LOSSES``.
-
-    ``class_weights`` (K,) may be a tensor or a list; an empty list means no weights.
+def build_loss(name: str, class_weights: ClassWeights = None) -> Loss:
+    """The :class:`Loss` of a name of ``LOSSES``: ``loss(logits, targets, valid) -> (sum,
+    count)``. ``class_weights`` (K,) may be a tensor or a list; an empty list means no weights.
     """
-    _check_loss_name(name)
-    if class_weights is not None and len(class_weights) == 0:
-        class_weights = None
-    return functools.partial(LOSSES[name], class_weights=class_weights)
+    return Loss(name, class_weights)
 
 
 def predict_probabilities(logits: Tensor, loss_name: str) -> Tensor:
@@ -218,6 +282,7 @@ def predict_probabilities(logits: Tensor, loss_name: str) -> Tensor:
 
 __all__ = [
     "LOSSES",
+    "Loss",
     "MULTI_LABEL_LOSSES",
     "bce_dice_loss",
     "build_loss",

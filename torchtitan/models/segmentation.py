@@ -30,9 +30,11 @@ import math
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .context import SequenceShard
+from .resize import resize_linear
 from .vit import DinoVisionTransformer
 
 OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
@@ -75,46 +77,13 @@ def _conv_training_flops(conv: nn.Module, positions: int, input_needs_grad: bool
     return per_mac * positions * conv.weight.numel()
 
 
-def _linear_weights(n_in: int, n_out: int, like: Tensor) -> Tensor:
-    """(n_out, n_in) matrix of 1D linear interpolation with ``align_corners=False`` (PyTorch's
-    and OpenCV's convention: source position (o + 0.5) * n_in / n_out - 0.5, clamped at the
-    edges)."""
-    src = ((torch.arange(n_out, dtype=torch.float64) + 0.5) * (n_in / n_out) - 0.5).clamp_min(0)
-    i0 = src.floor().long().clamp_max(n_in - 1)
-    i1 = (i0 + 1).clamp_max(n_in - 1)
-    frac = src - i0
-    rows = torch.arange(n_out)
-    w = torch.zeros(n_out, n_in, dtype=torch.float64)
-    w.index_put_((rows, i0), 1 - frac, accumulate=True)
-    w.index_put_((rows, i1), frac, accumulate=True)
-    return w.to(dtype=like.dtype, device=like.device)
-
-
-def resize_linear(x: Tensor, size: Sequence[int]) -> Tensor:
-    """Bilinear / trilinear resize of (B, C, *spatial) to ``size``, ``align_corners=False``:
-    the values of ``F.interpolate`` (up to float rounding), computed as one small matmul per
-    axis, last axis first. Each matmul writes its result in place of the axis it resizes (no
-    layout copies) and its backward is a matmul too; on the CPU this is 2-3x faster than
-    ``F.interpolate`` forward + backward for the linear head's 16x upsampling of a few class
-    channels."""
-    n = len(size)
-    for axis in range(n - 1, -1, -1):
-        n_in, n_out = x.shape[2 + axis], size[axis]
-        if n_in == n_out:
-            continue
-        w = _linear_weights(n_in, n_out, x)
-        if axis == n - 1:
-            x = x @ w.t()
-        else:
-            lead, trail = x.shape[:2 + axis], x.shape[3 + axis:]
-            x = torch.matmul(w, x.reshape(-1, n_in, math.prod(trail)))
-            x = x.view(*lead, n_out, *trail)
-    return x
-
-
 # ----------------------------------------------------------------------------- linear head
 class LinearHead(nn.Module):
-    """Concatenated feature maps -> dropout -> 1x1 conv to class logits (on the patch grid)."""
+    """Concatenated patch tokens -> dropout -> 1x1 conv to class logits (on the patch grid).
+
+    It reads the backbone's tokens as they are, (B, N, C) per layer, and applies its 1x1
+    convolution as a linear layer over their channels: only the logits (a few channels) take
+    the grid's layout, not the features of every layer."""
 
     def __init__(self, ndim: int, in_channels: int, num_classes: int, dropout: float = 0.0):
         super().__init__()
@@ -127,9 +96,12 @@ class LinearHead(nn.Module):
         nn.init.normal_(self.conv.weight, std=0.01)
         nn.init.zeros_(self.conv.bias)
 
-    def forward(self, features: list[Tensor], image: Tensor | None = None) -> Tensor:
-        """``image`` is accepted for a common head interface and not used."""
-        return self.conv(self.dropout(torch.cat(features, dim=1)))
+    def forward(self, tokens: list[Tensor], grid: Sequence[int]) -> Tensor:
+        """Logits (B, K, *grid) from each layer's normalised patch tokens (B, N, C), N the
+        number of grid cells in row-major order."""
+        x = self.dropout(torch.cat(tokens, dim=-1))
+        logits = F.linear(x, self.conv.weight.flatten(1), self.conv.bias)  # (B, N, K)
+        return logits.transpose(1, 2).reshape(x.shape[0], -1, *grid)
 
     def training_flops(self, grid: Sequence[int], features_need_grad: bool = True) -> int:
         """Forward + backward FLOPs for one sample whose patch grid is ``grid``."""
@@ -362,18 +334,35 @@ class SegmentationModel(nn.Module):
         self.backbone.init_weights()
         self.head.init_weights()
 
-    def forward(self, x: Tensor, output_size: Sequence[int] | None = None) -> Tensor:
-        """Logits (B, num_classes, *output_size); the default output size is the input's."""
+    def forward(self, x: Tensor, output_size: Sequence[int] | None = None,
+                resize: bool = True) -> Tensor:
+        """Logits (B, num_classes, *output_size); the default output size is the input's.
+        ``resize=False``: the head's logits before their linear resize to ``output_size`` (on
+        the patch grid for the linear head), for a loss that resizes them itself
+        (``Loss.resized``); ignored under context parallelism in training, where the output
+        is always this rank's slab at ``output_size``."""
         output_size = tuple(x.shape[2:] if output_size is None else output_size)
         if self.context is not None:
             self.context.active = self.training
             if self.training:
                 return self._forward_context_parallel(x, output_size, self.context)
+        if isinstance(self.head, LinearHead):
+            logits = self._head_logits(x)
+        else:
+            logits = self.head(self._features(x), x)
+        return self._resize(logits, output_size) if resize else logits
+
+    def _features(self, x: Tensor, reshape: bool = True) -> list[Tensor]:
+        """The normalised outputs of the head's blocks: maps (B, C, *grid), or tokens (B, N, C)."""
         frozen = torch.no_grad() if self.freeze_backbone else contextlib.nullcontext()
         with frozen:
-            features = self.backbone.get_intermediate_layers(x, n=self.out_indices, reshape=True, norm=True)
-        logits = self.head(list(features), x)
-        return self._resize(logits, output_size)
+            return list(self.backbone.get_intermediate_layers(x, n=self.out_indices,
+                                                              reshape=reshape, norm=True))
+
+    def _head_logits(self, x: Tensor) -> Tensor:
+        """The linear head's logits on the patch grid of ``x``."""
+        grid = [s // self.backbone.patch_size for s in x.shape[2:]]
+        return self.head(self._features(x, reshape=False), grid)
 
     def _resize(self, logits: Tensor, size: Sequence[int]) -> Tensor:
         if tuple(logits.shape[2:]) == tuple(size):
@@ -392,14 +381,11 @@ class SegmentationModel(nn.Module):
         mix neighbours at every stage and normalise over the whole sample (GroupNorm): they get
         the gathered feature map and run on the whole sample on every rank (their memory does
         not shrink with the group), then the slab of their output is kept."""
-        frozen = torch.no_grad() if self.freeze_backbone else contextlib.nullcontext()
-        with frozen:
-            features = self.backbone.get_intermediate_layers(
-                shard.slab(x, 2), n=self.out_indices, reshape=True, norm=True)
         if not isinstance(self.head, LinearHead):
+            features = self._features(shard.slab(x, 2))
             logits = self.head([shard.gather(torch.cat(features, dim=1), 2)], x)
             return shard.slab(self._resize(logits, output_size), 2)
-        logits = shard.gather(self.head(list(features)), 2)  # (B, K, *grid), the whole grid
+        logits = shard.gather(self._head_logits(shard.slab(x, 2)), 2)  # (B, K, *grid), whole
         rows, out_rows = logits.shape[2], output_size[0]
         if out_rows % rows or tuple(logits.shape[2:]) == output_size:
             return shard.slab(self._resize(logits, output_size), 2)

@@ -78,13 +78,18 @@ class SegmentationTask(TaskBase):
         return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
 
     def loss_terms(self, model, batch: Batch):
-        """(sum, count) of the configured loss (``model.loss``, see ``models/losses.py``)."""
+        """(sum, count) of the configured loss (``model.loss``, see ``models/losses.py``).
+
+        The model gives its logits before their linear resize to the targets' size (the linear
+        head's are on the patch grid) and the loss resizes them slab by slab, never holding
+        the full-resolution logits (``Loss.resized``): the same loss, at a fraction of the
+        memory and time. Under context parallelism the logits are this rank's slab at full
+        resolution: so are the targets."""
         m = self.cfg.model
-        logits = model(batch.image, output_size=batch.target.shape[2:]).float()
+        logits = model(batch.image, output_size=batch.target.shape[2:], resize=False)
         weights = torch.tensor(m.class_weights, device=logits.device) if m.class_weights else None
-        # Under context parallelism the logits are this rank's slab: so are the targets.
-        return build_loss(m.loss, weights)(logits, local_part(model, batch.target),
-                                           local_part(model, batch.valid))
+        target, valid = local_part(model, batch.target), local_part(model, batch.valid)
+        return build_loss(m.loss, weights).resized(logits, target.shape[2:], target, valid)
 
     # -- validation -----------------------------------------------------------------------------
 
