@@ -25,6 +25,7 @@ treats the classes as mutually exclusive, with an implicit background class.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -69,28 +70,58 @@ def _class_weights(class_weights: ClassWeights, logits: Tensor) -> Tensor | None
 # over any split of the voxels) followed by a small ``finish`` on those sums. The statistics
 # of the resized logits can thus be taken slab by slab (``resize.slab_statistics``: what
 # training does on the linear head's logits) and give the loss of the whole.
-def _bce_statistics(logits, targets, valid, class_weights) -> tuple[Tensor, Tensor]:
-    """Weighted BCE summed over the valid entries of each sample, and their number: (B,), (B,)."""
-    v = _valid_mask(valid, logits)
-    t = _safe_targets(targets, v, logits.dtype)
-    bce = F.binary_cross_entropy_with_logits(logits, t, reduction="none")
+def _prepared(logits, targets, valid, class_weights):
+    """(valid as bools, as 0/1 floats, times the class weights; targets as floats with 0 at
+    every invalid entry, so that 255 & co. never leak in). The masks keep ``valid``'s shape
+    (broadcastable to the logits); the targets have the logits' shape."""
+    v = valid > 0
+    m = v.to(logits.dtype)
     w = _class_weights(class_weights, logits)
-    if w is not None:
-        bce = bce * w
-    bce = torch.where(v, bce, torch.zeros_like(bce))
-    return bce.flatten(1).sum(1), v.flatten(1).sum(1)
+    t = torch.where(v, targets, 0).to(logits.dtype)
+    return v, m, (m if w is None else m * w), t
 
 
-def _dice_statistics(logits, targets, valid, class_weights=None) -> tuple[Tensor, ...]:
-    """Per (sample, class) pair over its valid voxels: sum(p t), sum(p), sum(t) of the sigmoid
-    probabilities p, and the number of valid voxels; each (B, K). (Dice weighs whole pairs:
-    its class weights apply in ``_dice_finish``.)"""
-    v = _valid_mask(valid, logits)
-    t = _safe_targets(targets, v, logits.dtype)
-    p = torch.sigmoid(logits)
-    p = torch.where(v, p, torch.zeros_like(p))  # invalid voxels: no value, no gradient
-    return ((p * t).flatten(2).sum(2), p.flatten(2).sum(2), t.flatten(2).sum(2),
-            v.flatten(2).sum(2))
+def _over(x: Tensor, first: int) -> Tensor:
+    """Sum over every axis from ``first`` on (an expanded ``x`` is not materialised)."""
+    return x.sum(dim=tuple(range(first, x.dim())))
+
+
+def _multilabel_statistics(logits, targets, valid, class_weights, bce=True, dice=True):
+    """Sums of the sigmoid losses: with ``bce``, the weighted BCE over each sample's valid
+    entries and their number, (B,) each; with ``dice``, per (sample, class) pair over its valid
+    voxels, sum(p t), sum(p), sum(t) of the probabilities p and the number of valid voxels, (B,
+    K) each. BCE as softplus(z) - t z (exact for the 0/1 targets; its derivative is
+    sigmoid(z) - t)."""
+    v, m, mw, t = _prepared(logits, targets, valid, class_weights)
+    count = v.expand_as(logits)
+    out: tuple[Tensor, ...] = ()
+    if bce:
+        out += (_over((F.softplus(logits) - t * logits) * mw, 1), _over(count, 1))
+    if dice:
+        p = torch.sigmoid(logits) * m  # invalid voxels: no value, no gradient
+        out += (_over(p * t, 2), _over(p, 2), _over(t, 2), _over(count, 2))
+    return out
+
+
+def _multilabel_gradient(logits, targets, valid, class_weights, grads, bce=True, dice=True):
+    """d(sum of ``grads`` x statistics)/d(logits) for ``_multilabel_statistics``: the slab
+    backward pass computes it directly, without autograd's saved intermediates."""
+    _, m, mw, t = _prepared(logits, targets, valid, class_weights)
+    s = torch.sigmoid(logits)
+    grad = torch.zeros_like(logits)
+    lead = (-1,) + (1,) * (logits.dim() - 1)
+    if bce and grads[0] is not None:  # d/dz of (softplus(z) - t z) m w: (s - t) m w
+        grad += (s - t) * (mw * grads[0].view(lead))
+    if dice:
+        g_pt, g_p = grads[-4:-2]
+        pair = (*logits.shape[:2],) + (1,) * (logits.dim() - 2)
+        pull = torch.zeros(pair, dtype=logits.dtype, device=logits.device)
+        if g_p is not None:
+            pull = pull + g_p.view(pair)
+        if g_pt is not None:  # p = s m: dp/dz = s (1 - s) m, and sum(p t) pulls with t
+            pull = pull + t * g_pt.view(pair)
+        grad += pull * ((s - s * s) * m)
+    return grad
 
 
 def _dice_per_pair(pt: Tensor, p: Tensor, t: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,11 +162,6 @@ def _dice_finish(stats, class_weights) -> LossTerms:
     return total, has_valid.sum().to(loss.dtype)
 
 
-def _bce_dice_statistics(logits, targets, valid, class_weights) -> tuple[Tensor, ...]:
-    return (*_bce_statistics(logits, targets, valid, class_weights),
-            *_dice_statistics(logits, targets, valid))
-
-
 def _bce_dice_finish(stats, class_weights) -> LossTerms:
     bce_sum, bce_count = stats[0], stats[1].to(stats[0].dtype)
     dice, has_valid = _dice_per_pair(*stats[2:])
@@ -170,17 +196,22 @@ class Loss:
         if class_weights is not None and len(class_weights) == 0:
             class_weights = None
         self.name, self.class_weights = name, class_weights
-        self._statistics, self._finish = _PARTS[name]
+        self._statistics, self._gradient, self._finish = _PARTS[name]
 
     def statistics(self, logits: Tensor, targets: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
         return self._statistics(logits, targets, valid, self.class_weights)
+
+    def gradient(self, logits: Tensor, targets: Tensor, valid: Tensor,
+                 grads: Sequence[Tensor | None]) -> Tensor:
+        return self._gradient(logits, targets, valid, self.class_weights, grads)
 
     def __call__(self, logits: Tensor, targets: Tensor, valid: Tensor) -> LossTerms:
         return self._finish(self.statistics(logits, targets, valid), self.class_weights)
 
     def resized(self, logits: Tensor, size: Sequence[int], targets: Tensor,
                 valid: Tensor) -> LossTerms:
-        stats = slab_statistics(self.statistics, logits, size, targets, valid)
+        gradient = None if self._gradient is None else self.gradient
+        stats = slab_statistics(self.statistics, logits, size, targets, valid, gradient)
         return self._finish(stats, self.class_weights)
 
 
@@ -249,11 +280,14 @@ LOSSES: dict[str, LossFn] = {
     "bce_dice": bce_dice_loss,
     "ce": cross_entropy_loss,
 }
-_PARTS = {  # name -> (statistics, finish)
-    "bce": (_bce_statistics, _bce_finish),
-    "dice": (_dice_statistics, _dice_finish),
-    "bce_dice": (_bce_dice_statistics, _bce_dice_finish),
-    "ce": (_ce_statistics, _ce_finish),
+# name -> (statistics, their gradient for the slab backward pass or None for autograd, finish)
+_PARTS = {
+    "bce": (functools.partial(_multilabel_statistics, dice=False),
+            functools.partial(_multilabel_gradient, dice=False), _bce_finish),
+    "dice": (functools.partial(_multilabel_statistics, bce=False),
+             functools.partial(_multilabel_gradient, bce=False), _dice_finish),
+    "bce_dice": (_multilabel_statistics, _multilabel_gradient, _bce_dice_finish),
+    "ce": (_ce_statistics, None, _ce_finish),
 }
 MULTI_LABEL_LOSSES = ("bce", "dice", "bce_dice")  # sigmoid per class; "ce" is exclusive
 

@@ -30,6 +30,8 @@ SLAB_ELEMENTS_DEFAULT = 2**24
 
 # (slab of logits, slab of targets, slab of validity) -> sums over the slab's voxels
 SlabStatistics = Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor, ...]]
+# (slab of logits, of targets, of validity, gradients of the sums) -> gradient of the slab
+SlabGradient = Callable[[Tensor, Tensor | None, Tensor | None, Sequence[Tensor | None]], Tensor]
 
 
 def linear_weights(n_in: int, n_out: int, like: Tensor) -> Tensor:
@@ -106,7 +108,7 @@ class _Slabs:
 
 class _SlabStatistics(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, size, statistics, targets, valid):
+    def forward(ctx, logits, size, statistics, gradient, targets, valid):
         slabs = _Slabs(logits, size)
         rest = slabs.rest(logits)
         total = None
@@ -116,7 +118,7 @@ class _SlabStatistics(torch.autograd.Function):
                            _rows(valid, start, stop))
             total = list(s) if total is None else [a + b for a, b in zip(total, s)]
         ctx.save_for_backward(logits, targets, valid)
-        ctx.size, ctx.statistics = size, statistics
+        ctx.size, ctx.statistics, ctx.gradient = size, statistics, gradient
         ctx.mark_non_differentiable(*[t for t in total if not t.is_floating_point()])
         return tuple(total)
 
@@ -130,30 +132,39 @@ class _SlabStatistics(torch.autograd.Function):
             rest_leaf = rest.detach().requires_grad_()
             for start in slabs:
                 stop = start + slabs.step
-                s = ctx.statistics(slabs.slab(rest_leaf, start), _rows(targets, start, stop),
-                                   _rows(valid, start, stop))
-                pairs = [(t, g) for t, g in zip(s, grads) if t.requires_grad and g is not None]
+                z = slabs.slab(rest_leaf, start)
+                t, v = _rows(targets, start, stop), _rows(valid, start, stop)
+                if ctx.gradient is not None:
+                    z.backward(ctx.gradient(z.detach(), t, v, grads))
+                    continue
+                s = ctx.statistics(z, t, v)
+                pairs = [(a, g) for a, g in zip(s, grads) if a.requires_grad and g is not None]
                 if pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                    torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
             if rest_leaf.grad is None:
-                return None, None, None, None, None
+                return (None,) * 6
             (grad,) = torch.autograd.grad(rest, leaf, rest_leaf.grad)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def slab_statistics(statistics: SlabStatistics, logits: Tensor, size: Sequence[int],
-                    targets: Tensor | None = None, valid: Tensor | None = None) -> tuple[Tensor, ...]:
+                    targets: Tensor | None = None, valid: Tensor | None = None,
+                    gradient: SlabGradient | None = None) -> tuple[Tensor, ...]:
     """``statistics(resize_linear(logits, size), targets, valid)``, for a ``statistics`` that
     returns sums over voxels (each output the sum of its values over any split of the first
     spatial axis), computed slab by slab of output rows without holding the resized logits;
     differentiable with respect to ``logits``. ``targets`` and ``valid`` are at ``size`` (or
-    broadcast along the first axis with size 1 there). Runs in float32 with autocast off."""
+    broadcast along the first axis with size 1 there). Runs in float32 with autocast off.
+
+    ``gradient``, if given, returns the gradient of a slab's logits from the gradients of
+    the sums (their derivative written out); without it the backward pass differentiates
+    ``statistics`` on each slab with autograd."""
     size = tuple(size)
     with torch.autocast(device_type=logits.device.type, enabled=False):
         logits = logits.float()
         if tuple(logits.shape[2:]) == size:
             return tuple(statistics(logits, targets, valid))
-        return _SlabStatistics.apply(logits, size, statistics, targets, valid)
+        return _SlabStatistics.apply(logits, size, statistics, gradient, targets, valid)
 
 
 __all__ = ["SLAB_ELEMENTS", "linear_weights", "resize_linear", "slab_statistics"]
