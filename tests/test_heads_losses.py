@@ -405,14 +405,17 @@ def test_resize_linear_matches_interpolate_forward_and_backward(shape, size):
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-@pytest.mark.parametrize("grid,size,per_class", [((3, 4, 2), (20, 17, 8), False),  # 3D, up
-                                                 ((5, 3, 4), (5, 12, 16), True),  # first axis kept
-                                                 ((4, 5), (33, 40), False)])  # 2D
-def test_resized_loss_equals_the_loss_of_the_resized_logits(name, grid, size, per_class,
+@pytest.mark.parametrize("grid,size,per_class,dtype", [
+    ((3, 4, 2), (20, 17, 8), False, torch.float32),  # 3D, up
+    ((3, 4, 2), (20, 17, 8), False, torch.uint8),  # what the loader gives
+    ((5, 3, 4), (5, 12, 16), True, torch.uint8),  # first axis kept, per-class validity
+    ((4, 5), (33, 40), False, torch.float32)])  # 2D
+def test_resized_loss_equals_the_loss_of_the_resized_logits(name, grid, size, per_class, dtype,
                                                             monkeypatch):
     """``Loss.resized`` (slab by slab, what training does on the linear head's logits) gives
     the sum, count and gradient of the loss taken on the whole resized logits, for every loss,
-    with class weights, per-voxel or per-class validity, and slabs that do not divide the rows."""
+    with class weights, per-voxel or per-class validity, float or uint8 targets and masks, and
+    slabs that do not divide the rows."""
     from torchtitan.models import resize
 
     monkeypatch.setitem(resize.SLAB_ELEMENTS, "cpu", 4 * 3 * 3 * math.prod(size[1:]))  # 3 rows
@@ -422,9 +425,10 @@ def test_resized_loss_equals_the_loss_of_the_resized_logits(name, grid, size, pe
     if per_class:
         valid = valid.amax(dim=tuple(range(2, valid.dim())), keepdim=True)
     full[valid.expand_as(full) == 0] = 255
+    full, valid = full.to(dtype), valid.to(dtype)
     low = torch.randn(4, 3, *grid, generator=torch.Generator().manual_seed(1), requires_grad=True)
     loss = build_loss(name, [1.0, 2.0, 0.5])
-    total, count = loss(resize.resize_linear(low, size), full, valid)
+    total, count = loss(resize.resize_linear(low, size), full.float(), valid.float())
     grad, = torch.autograd.grad(total / count, low)
     total_s, count_s = loss.resized(low, size, full, valid)
     grad_s, = torch.autograd.grad(total_s / count_s, low)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .resize import slab_statistics
+from .resize import resize_linear, slab_statistics
 
 LossTerms = tuple[Tensor, Tensor]  # (sum of the loss terms, their count)
 LossFn = Callable[[Tensor, Tensor, Tensor], LossTerms]
@@ -42,9 +42,14 @@ DICE_EPS = 1.0  # smoothing: an empty class predicted empty scores a perfect 0 l
 
 
 # ----------------------------------------------------------------------------- helpers
+def _known(valid: Tensor) -> Tensor:
+    """Where the label is known (``valid`` positive), as bools of ``valid``'s shape."""
+    return valid > 0
+
+
 def _valid_mask(valid: Tensor, logits: Tensor) -> Tensor:
     """Boolean mask of the logits' shape."""
-    return (valid > 0).expand_as(logits)
+    return _known(valid).expand_as(logits)
 
 
 def _safe_targets(targets: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
@@ -71,14 +76,27 @@ def _class_weights(class_weights: ClassWeights, logits: Tensor) -> Tensor | None
 # of the resized logits can thus be taken slab by slab (``resize.slab_statistics``: what
 # training does on the linear head's logits) and give the loss of the whole.
 def _prepared(logits, targets, valid, class_weights):
-    """(valid as bools, as 0/1 floats, times the class weights; targets as floats with 0 at
-    every invalid entry, so that 255 & co. never leak in). The masks keep ``valid``'s shape
-    (broadcastable to the logits); the targets have the logits' shape."""
-    v = valid > 0
-    m = v.to(logits.dtype)
+    """(valid as 0/1 floats, and times the class weights; targets as floats with 0 at every
+    invalid entry, so that 255 & co. never leak in). The masks keep ``valid``'s shape
+    (broadcastable to the logits); the targets have the logits' shape. Integer masks and
+    targets (what the loader gives) take the quick conversions (clamp, multiply); float targets
+    are selected (a NaN where invalid stays out)."""
+    if valid.is_floating_point():
+        m = _known(valid).to(logits.dtype)
+    else:
+        m = valid.to(logits.dtype).clamp_(0, 1)  # 1 where positive
     w = _class_weights(class_weights, logits)
-    t = torch.where(v, targets, 0).to(logits.dtype)
-    return v, m, (m if w is None else m * w), t
+    if targets.is_floating_point():
+        t = torch.where(m > 0, targets, 0).to(logits.dtype)
+    else:
+        t = targets.to(logits.dtype).mul_(m)
+    return m, (m if w is None else m * w), t
+
+
+def _count(m: Tensor, like: Tensor, first: int) -> Tensor:
+    """The number of valid entries of ``like`` (0/1 mask ``m``, broadcastable) summed over
+    every axis from ``first`` on, exactly (in float64), as integers."""
+    return m.expand_as(like).sum(dim=tuple(range(first, like.dim())), dtype=torch.float64).long()
 
 
 def _over(x: Tensor, first: int) -> Tensor:
@@ -92,36 +110,35 @@ def _multilabel_statistics(logits, targets, valid, class_weights, bce=True, dice
     voxels, sum(p t), sum(p), sum(t) of the probabilities p and the number of valid voxels, (B,
     K) each. BCE as softplus(z) - t z (exact for the 0/1 targets; its derivative is
     sigmoid(z) - t)."""
-    v, m, mw, t = _prepared(logits, targets, valid, class_weights)
-    count = v.expand_as(logits)
+    m, mw, t = _prepared(logits, targets, valid, class_weights)
     out: tuple[Tensor, ...] = ()
+    # In-place steps where autograd allows: fewer fresh buffers of the logits' size (each a
+    # round of page faults on the CPU).
     if bce:
-        out += (_over((F.softplus(logits) - t * logits) * mw, 1), _over(count, 1))
+        bce_terms = F.softplus(logits).addcmul_(t, logits, value=-1).mul_(mw)
+        out += (_over(bce_terms, 1), _count(m, logits, 1))
     if dice:
         p = torch.sigmoid(logits) * m  # invalid voxels: no value, no gradient
-        out += (_over(p * t, 2), _over(p, 2), _over(t, 2), _over(count, 2))
+        out += (_over(p * t, 2), _over(p, 2), _over(t, 2), _count(m, logits, 2))
     return out
 
 
 def _multilabel_gradient(logits, targets, valid, class_weights, grads, bce=True, dice=True):
     """d(sum of ``grads`` x statistics)/d(logits) for ``_multilabel_statistics``: the slab
     backward pass computes it directly, without autograd's saved intermediates."""
-    _, m, mw, t = _prepared(logits, targets, valid, class_weights)
+    m, mw, t = _prepared(logits, targets, valid, class_weights)
     s = torch.sigmoid(logits)
-    grad = torch.zeros_like(logits)
-    lead = (-1,) + (1,) * (logits.dim() - 1)
+    grad = None
     if bce and grads[0] is not None:  # d/dz of (softplus(z) - t z) m w: (s - t) m w
-        grad += (s - t) * (mw * grads[0].view(lead))
-    if dice:
-        g_pt, g_p = grads[-4:-2]
-        pair = (*logits.shape[:2],) + (1,) * (logits.dim() - 2)
-        pull = torch.zeros(pair, dtype=logits.dtype, device=logits.device)
-        if g_p is not None:
-            pull = pull + g_p.view(pair)
-        if g_pt is not None:  # p = s m: dp/dz = s (1 - s) m, and sum(p t) pulls with t
-            pull = pull + t * g_pt.view(pair)
-        grad += pull * ((s - s * s) * m)
-    return grad
+        grad = (s - t).mul_(mw * grads[0].view((-1,) + (1,) * (logits.dim() - 1)))
+    if dice and any(g is not None for g in grads[-4:-2]):
+        # p = s m: dp/dz = s (1 - s) m; sum(p) pulls with its gradient, sum(p t) with t.
+        g_pt, g_p = (None if g is None else g.view(*g.shape, *(1,) * (logits.dim() - 2))
+                     for g in grads[-4:-2])
+        pull = g_p if g_pt is None else (t * g_pt if g_p is None else (t * g_pt).add_(g_p))
+        dice_grad = torch.addcmul(s, s, s, value=-1).mul_(m).mul_(pull)
+        grad = dice_grad if grad is None else grad.add_(dice_grad)
+    return torch.zeros_like(logits) if grad is None else grad
 
 
 def _dice_per_pair(pt: Tensor, p: Tensor, t: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,7 +206,8 @@ class Loss:
     """One segmentation loss with its class weights: ``loss(logits, targets, valid)`` and
     ``loss.resized(logits, size, targets, valid)`` both give ``(sum, count)``; the second
     takes logits below the targets' resolution and equals ``loss(resize_linear(logits,
-    size), targets, valid)``, computed slab by slab (``resize.slab_statistics``)."""
+    size), targets, valid)``, computed slab by slab (``resize.slab_statistics``) for the
+    sigmoid losses, whose derivative is written out; "ce" resizes the whole logits."""
 
     def __init__(self, name: str, class_weights: ClassWeights = None):
         _check_loss_name(name)
@@ -210,8 +228,9 @@ class Loss:
 
     def resized(self, logits: Tensor, size: Sequence[int], targets: Tensor,
                 valid: Tensor) -> LossTerms:
-        gradient = None if self._gradient is None else self.gradient
-        stats = slab_statistics(self.statistics, logits, size, targets, valid, gradient)
+        if self._gradient is None:  # "ce": autograd on every slab costs more than it saves
+            return self(resize_linear(logits.float(), size), targets, valid)
+        stats = slab_statistics(self.statistics, logits, size, targets, valid, self.gradient)
         return self._finish(stats, self.class_weights)
 
 

@@ -82,28 +82,63 @@ def _rows(t: Tensor | None, start: int, stop: int) -> Tensor | None:
 
 
 class _Slabs:
-    """The slabs of output rows of resizing ``logits`` (B, K, *grid) to ``size``."""
+    """The slabs of output rows of resizing ``logits`` (B, K, *grid) to ``size``: each a run
+    of at most a budget's rows, computed from the few grid rows its interpolation weights
+    touch (two for an upsampling), so that neither the forward matmul nor the gradient's
+    reads or writes the other rows."""
 
     def __init__(self, logits: Tensor, size: Sequence[int]):
         self.size = tuple(size)
-        self.n_in = logits.shape[2]
-        self.first = None if self.n_in == size[0] else linear_weights(self.n_in, size[0], logits)
+        n_in, n_out = logits.shape[2], size[0]
+        self.n_in = n_in
         per_row = logits.shape[0] * logits.shape[1] * math.prod(size[1:])
-        budget = SLAB_ELEMENTS.get(logits.device.type, SLAB_ELEMENTS_DEFAULT)
-        self.step = max(1, budget // per_row)
+        step = max(1, SLAB_ELEMENTS.get(logits.device.type, SLAB_ELEMENTS_DEFAULT) // per_row)
+        # (first row, last row + 1, first grid row read, last + 1, weights or None)
+        self.bounds: list[tuple[int, int, int, int, Tensor | None]] = []
+        if n_in == n_out:
+            self.bounds = [(r, min(r + step, n_out), r, min(r + step, n_out), None)
+                           for r in range(0, n_out, step)]
+            return
+        w = linear_weights(n_in, n_out, logits)
+        nonzero = w != 0
+        first = nonzero.int().argmax(1).tolist()
+        last = (n_in - 1 - nonzero.flip(1).int().argmax(1)).tolist()
+        runs, start = [], 0  # runs of rows that read the same grid rows
+        for r in range(1, n_out + 1):
+            if r == n_out or (first[r], last[r]) != (first[start], last[start]):
+                runs.append((start, r))
+                start = r
+        for a, b in runs:  # each cut into equal slabs of about ``step`` rows (1.5x at most)
+            pieces = max(1, round((b - a) / step))
+            cuts = [a + (b - a) * i // pieces for i in range(pieces + 1)]
+            for lo_row, hi_row in zip(cuts, cuts[1:]):
+                lo, hi = first[lo_row], last[lo_row] + 1
+                self.bounds.append((lo_row, hi_row, lo, hi, w[lo_row:hi_row, lo:hi].contiguous()))
 
     def rest(self, logits: Tensor) -> Tensor:
         """``logits`` resized along every axis but the first."""
         return resize_linear(logits, (self.n_in, *self.size[1:]))
 
-    def __iter__(self):
-        return iter(range(0, self.size[0], self.step))
+    @staticmethod
+    def slab(rest: Tensor, bound) -> Tensor:
+        """The slab's output rows, from ``rest``."""
+        _, _, lo, hi, w = bound
+        if w is None:
+            return rest[:, :, lo:hi]
+        b, k, _, *plane = rest.shape
+        x = rest[:, :, lo:hi].reshape(b * k, hi - lo, -1)
+        return torch.matmul(w, x).view(b, k, w.shape[0], *plane)
 
-    def slab(self, rest: Tensor, start: int) -> Tensor:
-        """Output rows ``start:start + step`` of the resize, from ``rest``."""
-        if self.first is None:
-            return rest[:, :, start:start + self.step]
-        return _resize_axis(rest, 0, self.first[start:start + self.step])
+    @staticmethod
+    def add_gradient(grad_rest: Tensor, bound, grad: Tensor) -> None:
+        """Add the gradient of the slab's rows, ``grad``, to the grid rows they came from."""
+        _, _, lo, hi, w = bound
+        if w is None:
+            grad_rest[:, :, lo:hi] += grad
+            return
+        b, k = grad.shape[:2]
+        rows = torch.matmul(w.t(), grad.reshape(b * k, w.shape[0], -1))
+        grad_rest[:, :, lo:hi] += rows.view(b, k, hi - lo, *grad.shape[3:])
 
 
 class _SlabStatistics(torch.autograd.Function):
@@ -112,9 +147,9 @@ class _SlabStatistics(torch.autograd.Function):
         slabs = _Slabs(logits, size)
         rest = slabs.rest(logits)
         total = None
-        for start in slabs:
-            stop = start + slabs.step
-            s = statistics(slabs.slab(rest, start), _rows(targets, start, stop),
+        for bound in slabs.bounds:
+            start, stop = bound[:2]
+            s = statistics(slabs.slab(rest, bound), _rows(targets, start, stop),
                            _rows(valid, start, stop))
             total = list(s) if total is None else [a + b for a, b in zip(total, s)]
         ctx.save_for_backward(logits, targets, valid)
@@ -129,21 +164,23 @@ class _SlabStatistics(torch.autograd.Function):
         with torch.enable_grad():
             leaf = logits.detach().requires_grad_()
             rest = slabs.rest(leaf)
-            rest_leaf = rest.detach().requires_grad_()
-            for start in slabs:
-                stop = start + slabs.step
-                z = slabs.slab(rest_leaf, start)
-                t, v = _rows(targets, start, stop), _rows(valid, start, stop)
-                if ctx.gradient is not None:
-                    z.backward(ctx.gradient(z.detach(), t, v, grads))
-                    continue
-                s = ctx.statistics(z, t, v)
-                pairs = [(a, g) for a, g in zip(s, grads) if a.requires_grad and g is not None]
+        grad_rest = torch.zeros_like(rest)
+        for bound in slabs.bounds:
+            start, stop = bound[:2]
+            z = slabs.slab(rest.detach(), bound)
+            t, v = _rows(targets, start, stop), _rows(valid, start, stop)
+            if ctx.gradient is not None:
+                slabs.add_gradient(grad_rest, bound, ctx.gradient(z, t, v, grads))
+                continue
+            with torch.enable_grad():
+                z.requires_grad_()
+                pairs = [(a, g) for a, g in zip(ctx.statistics(z, t, v), grads)
+                         if a.requires_grad and g is not None]
                 if pairs:
                     torch.autograd.backward([a for a, _ in pairs], [g for _, g in pairs])
-            if rest_leaf.grad is None:
-                return (None,) * 6
-            (grad,) = torch.autograd.grad(rest, leaf, rest_leaf.grad)
+            if z.grad is not None:
+                slabs.add_gradient(grad_rest, bound, z.grad)
+        (grad,) = torch.autograd.grad(rest, leaf, grad_rest)
         return grad, None, None, None, None, None
 
 
