@@ -1,5 +1,6 @@
-"""bench/gpu.py --dry-run (every section on the CPU at toy sizes) and bench/model_step.py --tiny
-run to the end and print a row for everything they measure."""
+"""bench/gpu.py --dry-run (every section on the CPU at toy sizes), bench/model_step.py --tiny
+and bench/resized_loss.py at a toy size run to the end and print a row for everything they
+measure."""
 
 from __future__ import annotations
 
@@ -75,8 +76,21 @@ def test_model_step_tiny_compares_every_model():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line
             and not line.startswith("| model")]
     names = [r.split("|")[1].strip() for r in rows]
-    assert names == ["ours", "ours+linear", "MONAI ViT", "ours", "timm ViT"], out
+    assert names == ["ours", "ours+linear", "ours+linear, bce", "MONAI ViT", "ours", "timm ViT"], out
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert float(cells[3]) > 0 and float(cells[5]) > 0, r  # samples/s, GFLOP/sample
     assert out.count("parameters: ours / ") == 2, out
+
+
+def test_resized_loss_bench_keeps_far_less_for_the_backward():
+    """Every loss gets a row; the sigmoid losses, taken slab by slab, keep a small fraction of
+    what the whole resized logits keep for the backward pass."""
+    out = _run("bench/resized_loss.py", "--size", "48", "--patch", "8", "--repeats", "1")
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")]
+            for r in out.splitlines() if r.startswith("| ") and "---" not in r
+            and not r.startswith("| loss")}
+    assert sorted(rows) == ["bce", "bce_dice", "ce", "dice"], out
+    for name in ("bce", "dice", "bce_dice"):
+        slabs, whole = (float(rows[name][c].split()[0]) for c in (4, 5))
+        assert slabs < whole / 20, rows[name]
