@@ -6,6 +6,7 @@ the machine's matmul peak each reaches.
     python bench/model_step.py [--cases 3d,2d] [--repeats 5] [--modes eager,compiled]
     python bench/model_step.py --tiny              # every case at toy sizes (seconds; CI)
     python bench/model_step.py --profile 3d        # torch.profiler table of our step
+    python bench/model_step.py --head-layouts      # the 3D multiscale head, by layout
 
 One step is forward + backward + ``torch.optim.AdamW`` step + ``zero_grad``, float32, the
 same batch, optimizer setting (--adamw) and threads for every model. Models are timed in
@@ -384,6 +385,37 @@ def run_case(case: str, mode: str, args) -> None:
     sys.stdout.flush()
 
 
+def head_layouts(args) -> None:
+    """Forward + backward of the 3D multiscale head alone (the features of the 3D case's
+    model, random), its decoder channels-last (the default) against the default layout,
+    interleaved."""
+    from torchtitan.models.segmentation import UpConvHead
+
+    s = SIZES["3d"][1 if args.tiny else 0]
+    torch.manual_seed(0)
+    seg = SegmentationModel(build_backbone("dinov3_vits16", ndim=3, in_chans=1,
+                                           embed_dim=s["dim"], depth=s["depth"],
+                                           num_heads=s["heads"], patch_size=s["patch"]),
+                            4, head="multiscale")
+    grid = s["size"] // s["patch"]
+    features = [torch.randn(s["batch"], s["dim"] * len(seg.out_indices), grid, grid, grid,
+                            requires_grad=True)]
+    image = torch.randn(s["batch"], 1, s["size"], s["size"], s["size"])
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(args.repeats + 1):
+        for layout in ((True, False) if r % 2 == 0 else (False, True)):
+            UpConvHead.CHANNELS_LAST = layout
+            t0 = time.perf_counter()
+            seg.head(features, image).square().mean().backward()
+            if r:  # the first round warms up
+                times[layout].append(time.perf_counter() - t0)
+    UpConvHead.CHANNELS_LAST = True
+    a, b = statistics.median(times[True]), statistics.median(times[False])
+    print(f"\n### the 3D multiscale head alone, forward + backward, {s['size']}^3, batch "
+          f"{s['batch']}, {args.repeats} repeats\n")
+    print(f"channels-last {a:.3f} s, default layout {b:.3f} s (median): **{a / b:.2f}x**")
+
+
 def profile_case(case: str, args) -> None:
     """torch.profiler (CPU) of a few steps of our model in ``case``: the top operators."""
     from torch.profiler import ProfilerActivity, profile
@@ -418,6 +450,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, metavar="CASE",
                    help="profile our model's step in CASE (3d or 2d) instead of comparing")
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--head-layouts", action="store_true",
+                   help="time the 3D multiscale head alone, channels-last against the default "
+                        "layout, instead of comparing")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -433,6 +468,9 @@ def main(argv=None) -> int:
         if args.profile not in SIZES:
             raise SystemExit(f"--profile: expected one of {', '.join(SIZES)}, got {args.profile!r}")
         profile_case(args.profile, args)
+        return 0
+    if args.head_layouts:
+        head_layouts(args)
         return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for case in cases:

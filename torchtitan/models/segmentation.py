@@ -173,6 +173,7 @@ class UpConvHead(nn.Module):
     """
 
     MIN_CHANNELS = 16
+    CHANNELS_LAST = True  # the decoder's activation layout (bench/model_step.py --head-layouts)
 
     def __init__(
         self,
@@ -238,10 +239,12 @@ class UpConvHead(nn.Module):
 
     def forward(self, features: list[Tensor], image: Tensor) -> Tensor:
         """Logits (B, num_classes, *image size). The decoder runs channels-last (what oneDNN's
-        and cuDNN's convolutions compute in: no reorder of every activation to and from
-        their layout; on the CPU the 3D head's forward and backward take 0.73x the time); the
-        logits come back in the default layout."""
-        layout = torch.channels_last_3d if self.ndim == 3 else torch.channels_last
+        and cuDNN's convolutions compute in: no reorder of every activation to and from their
+        layout; on the CPU the 3D head's forward and backward take 0.73-0.78x the time,
+        ``bench/model_step.py --head-layouts``); the logits come back in the default layout."""
+        layout = torch.contiguous_format
+        if self.CHANNELS_LAST:
+            layout = torch.channels_last_3d if self.ndim == 3 else torch.channels_last
         x = torch.cat(features, dim=1).contiguous(memory_format=layout)
         x = self.proj(self.dropout(x))
         # The image has one channel, for which both layouts are the same: set it after the
