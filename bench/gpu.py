@@ -60,6 +60,7 @@ from torchtitan.models.attention import _fa4_function, fa4_unavailable_reason
 # Sibling scripts: `python bench/gpu.py` puts bench/ first on the import path (bench/ is a
 # folder of scripts, not an installed package).
 from inference import monai_starts
+from model_step import mean_square_of_resized
 
 SECTIONS = ("train", "loader", "inference", "cp")
 MONAI_HINT = "pip install --no-deps monai==1.6.1 einops==0.8.1"
@@ -212,8 +213,8 @@ def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, 
 
     def step():
         with autocast:
-            if kind == "seg":
-                loss = model(x).float().square().mean()
+            if kind == "seg":  # the loss on the head's logits as the trainer takes it
+                loss = mean_square_of_resized(model, x)
             else:
                 noise = torch.rand(batch, math.prod(s // model.patch_size for s in shape[1:]),
                                    device=device)
