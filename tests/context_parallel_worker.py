@@ -37,8 +37,11 @@ def backbone() -> DinoVisionTransformer:
 
 
 def segmentation_loss(model, image, target, valid):
-    logits = model(image)
-    return build_loss("bce")(logits, local_part(model, target), local_part(model, valid))
+    """As ``SegmentationTask.loss_terms`` takes it: on one process the linear head's logits on
+    the patch grid, resized slab by slab in the loss; under CP this rank's full-resolution slab."""
+    logits = model(image, resize=False)
+    target, valid = local_part(model, target), local_part(model, valid)
+    return build_loss("bce").resized(logits, target.shape[2:], target, valid)
 
 
 def mae_loss(model, image, noise, valid):
