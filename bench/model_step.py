@@ -6,7 +6,7 @@ the machine's matmul peak each reaches.
     python bench/model_step.py [--cases 3d,2d] [--repeats 5] [--modes eager,compiled]
     python bench/model_step.py --tiny              # every case at toy sizes (seconds; CI)
     python bench/model_step.py --profile 3d        # torch.profiler table of our step
-    python bench/model_step.py --head-layouts      # the 3D multiscale head, by layout
+    python bench/model_step.py --head-layouts      # the multiscale head, by layout
 
 One step is forward + backward + ``torch.optim.AdamW`` step + ``zero_grad``, float32, the
 same batch, optimizer setting (--adamw) and threads for every model. Models are timed in
@@ -386,34 +386,41 @@ def run_case(case: str, mode: str, args) -> None:
 
 
 def head_layouts(args) -> None:
-    """Forward + backward of the 3D multiscale head alone (the features of the 3D case's
-    model, random), its decoder channels-last (the default) against the default layout,
-    interleaved."""
+    """Forward + backward of the multiscale head alone (random features), its decoder
+    channels-last against the default layout, interleaved: in 3D at the 3D case's sizes, and
+    in 2D at ``train_configs/own_em_segmentation_2d.toml``'s (vit_tiny, patch 16, 256^2, batch
+    4, 128 channels, 4 image levels)."""
     from torchtitan.models.segmentation import UpConvHead
 
     s = SIZES["3d"][1 if args.tiny else 0]
-    torch.manual_seed(0)
-    seg = SegmentationModel(build_backbone("dinov3_vits16", ndim=3, in_chans=1,
-                                           embed_dim=s["dim"], depth=s["depth"],
-                                           num_heads=s["heads"], patch_size=s["patch"]),
-                            4, head="multiscale")
-    grid = s["size"] // s["patch"]
-    features = [torch.randn(s["batch"], s["dim"] * len(seg.out_indices), grid, grid, grid,
-                            requires_grad=True)]
-    image = torch.randn(s["batch"], 1, s["size"], s["size"], s["size"])
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(args.repeats + 1):
-        for layout in ((True, False) if r % 2 == 0 else (False, True)):
-            UpConvHead.CHANNELS_LAST = layout
-            t0 = time.perf_counter()
-            seg.head(features, image).square().mean().backward()
-            if r:  # the first round warms up
-                times[layout].append(time.perf_counter() - t0)
-    UpConvHead.CHANNELS_LAST = True
-    a, b = statistics.median(times[True]), statistics.median(times[False])
-    print(f"\n### the 3D multiscale head alone, forward + backward, {s['size']}^3, batch "
-          f"{s['batch']}, {args.repeats} repeats\n")
-    print(f"channels-last {a:.3f} s, default layout {b:.3f} s (median): **{a / b:.2f}x**")
+    side2d = 64 if args.tiny else 256
+    cases = {  # ndim: (head, features, image)
+        3: (UpConvHead(3, s["dim"] * 4, 4, s["patch"], 1, image_levels=3),
+            (s["batch"], s["dim"] * 4, *(s["size"] // s["patch"],) * 3),
+            (s["batch"], 1, *(s["size"],) * 3)),
+        2: (UpConvHead(2, 192 * 4, 3, 16, 1, channels=128, image_levels=4),
+            (4, 192 * 4, side2d // 16, side2d // 16), (4, 1, side2d, side2d)),
+    }
+    default = UpConvHead.CHANNELS_LAST_NDIMS
+    for ndim, (head, feature_shape, image_shape) in cases.items():
+        torch.manual_seed(0)
+        head.init_weights()
+        features = [torch.randn(feature_shape, requires_grad=True)]
+        image = torch.randn(image_shape)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(args.repeats + 1):
+            for last in ((True, False) if r % 2 == 0 else (False, True)):
+                UpConvHead.CHANNELS_LAST_NDIMS = (ndim,) if last else ()
+                t0 = time.perf_counter()
+                head(features, image).square().mean().backward()
+                if r:  # the first round warms up
+                    times[last].append(time.perf_counter() - t0)
+        UpConvHead.CHANNELS_LAST_NDIMS = default
+        a, b = statistics.median(times[True]), statistics.median(times[False])
+        print(f"\n### the {ndim}D multiscale head alone, forward + backward, input "
+              f"{'x'.join(map(str, image_shape[2:]))}, batch {image_shape[0]}, {args.repeats} "
+              f"repeats\n\nchannels-last {a:.3f} s, default layout {b:.3f} s (median): "
+              f"**{a / b:.2f}x** (used in {ndim}D: {'yes' if ndim in default else 'no'})")
 
 
 def profile_case(case: str, args) -> None:
@@ -451,8 +458,8 @@ def main(argv=None) -> int:
                    help="profile our model's step in CASE (3d or 2d) instead of comparing")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--head-layouts", action="store_true",
-                   help="time the 3D multiscale head alone, channels-last against the default "
-                        "layout, instead of comparing")
+                   help="time the multiscale head alone (3D and 2D), channels-last against the "
+                        "default layout, instead of comparing")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -123,22 +123,13 @@ class _Slabs:
     def slab(rest: Tensor, bound) -> Tensor:
         """The slab's output rows, from ``rest``."""
         _, _, lo, hi, w = bound
-        if w is None:
-            return rest[:, :, lo:hi]
-        b, k, _, *plane = rest.shape
-        x = rest[:, :, lo:hi].reshape(b * k, hi - lo, -1)
-        return torch.matmul(w, x).view(b, k, w.shape[0], *plane)
+        return rest[:, :, lo:hi] if w is None else _resize_axis(rest[:, :, lo:hi], 0, w)
 
     @staticmethod
     def add_gradient(grad_rest: Tensor, bound, grad: Tensor) -> None:
         """Add the gradient of the slab's rows, ``grad``, to the grid rows they came from."""
         _, _, lo, hi, w = bound
-        if w is None:
-            grad_rest[:, :, lo:hi] += grad
-            return
-        b, k = grad.shape[:2]
-        rows = torch.matmul(w.t(), grad.reshape(b * k, w.shape[0], -1))
-        grad_rest[:, :, lo:hi] += rows.view(b, k, hi - lo, *grad.shape[3:])
+        grad_rest[:, :, lo:hi] += grad if w is None else _resize_axis(grad, 0, w.t())
 
 
 class _SlabStatistics(torch.autograd.Function):
@@ -153,14 +144,14 @@ class _SlabStatistics(torch.autograd.Function):
                            _rows(valid, start, stop))
             total = list(s) if total is None else [a + b for a, b in zip(total, s)]
         ctx.save_for_backward(logits, targets, valid)
-        ctx.size, ctx.statistics, ctx.gradient = size, statistics, gradient
+        ctx.slabs, ctx.statistics, ctx.gradient = slabs, statistics, gradient
         ctx.mark_non_differentiable(*[t for t in total if not t.is_floating_point()])
         return tuple(total)
 
     @staticmethod
     def backward(ctx, *grads):
         logits, targets, valid = ctx.saved_tensors
-        slabs = _Slabs(logits, ctx.size)
+        slabs = ctx.slabs
         with torch.enable_grad():
             leaf = logits.detach().requires_grad_()
             rest = slabs.rest(leaf)

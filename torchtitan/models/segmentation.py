@@ -173,7 +173,8 @@ class UpConvHead(nn.Module):
     """
 
     MIN_CHANNELS = 16
-    CHANNELS_LAST = True  # the decoder's activation layout (bench/model_step.py --head-layouts)
+    # Dimensions whose decoder runs channels-last (bench/model_step.py --head-layouts)
+    CHANNELS_LAST_NDIMS: tuple[int, ...] = (3,)
 
     def __init__(
         self,
@@ -238,12 +239,13 @@ class UpConvHead(nn.Module):
                 module.reset_parameters()
 
     def forward(self, features: list[Tensor], image: Tensor) -> Tensor:
-        """Logits (B, num_classes, *image size). The decoder runs channels-last (what oneDNN's
-        and cuDNN's convolutions compute in: no reorder of every activation to and from their
-        layout; on the CPU the 3D head's forward and backward take 0.73-0.78x the time,
-        ``bench/model_step.py --head-layouts``); the logits come back in the default layout."""
+        """Logits (B, num_classes, *image size). In 3D the decoder runs channels-last (what
+        oneDNN's and cuDNN's convolutions compute in: no reorder of every activation to and
+        from their layout; on the CPU the head's forward and backward take 0.73-0.78x the time,
+        ``bench/model_step.py --head-layouts``; in 2D the same took 1.05x, so 2D keeps the
+        default layout); the logits come back in the default layout."""
         layout = torch.contiguous_format
-        if self.CHANNELS_LAST:
+        if self.ndim in self.CHANNELS_LAST_NDIMS:
             layout = torch.channels_last_3d if self.ndim == 3 else torch.channels_last
         x = torch.cat(features, dim=1).contiguous(memory_format=layout)
         x = self.proj(self.dropout(x))
