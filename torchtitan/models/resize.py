@@ -99,7 +99,8 @@ class _Slabs:
             self.bounds = [(r, min(r + step, n_out), r, min(r + step, n_out), None)
                            for r in range(0, n_out, step)]
             return
-        w = linear_weights(n_in, n_out, logits)
+        # The weights' pattern is read on the CPU (no device sync); each slab's block moves once.
+        w = linear_weights(n_in, n_out, logits.new_empty((), device="cpu"))
         nonzero = w != 0
         first = nonzero.int().argmax(1).tolist()
         last = (n_in - 1 - nonzero.flip(1).int().argmax(1)).tolist()
@@ -113,7 +114,8 @@ class _Slabs:
             cuts = [a + (b - a) * i // pieces for i in range(pieces + 1)]
             for lo_row, hi_row in zip(cuts, cuts[1:]):
                 lo, hi = first[lo_row], last[lo_row] + 1
-                self.bounds.append((lo_row, hi_row, lo, hi, w[lo_row:hi_row, lo:hi].contiguous()))
+                block = w[lo_row:hi_row, lo:hi].to(logits.device)
+                self.bounds.append((lo_row, hi_row, lo, hi, block))
 
     def rest(self, logits: Tensor) -> Tensor:
         """``logits`` resized along every axis but the first."""
