@@ -44,6 +44,13 @@ the plain mean of the semantic IoUs, the plain mean of the instance scores and t
 mean (``overall_scores``). Validation logs exactly this (``val/score``), and the scoring command
 prints it for the 2025 metric.
 
+Neuron metrics (``NEURON_CLASSES``)
+-----------------------------------
+A class scored as a dense segmentation of neurons (``cell``) is also judged by the variation of
+information (split, merge) and the adapted Rand error, CREMI's definitions, from the truth ids
+and the predicted instances of step 1 (``torchtitan/neuron_metrics.py``); ``combine_scores``
+pools them over crops as if the crops lay side by side in one volume.
+
 Scoring a submission
 --------------------
 ``python -m torchtitan.evaluation --predictions PRED.zarr --groundtruth DATA`` scores a
@@ -63,8 +70,9 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.cellmap.classes import INSTANCE_CLASSES, NEURON_CLASSES
 from torchtitan.hausdorff import hausdorff_cap, normalize_distance, truth_hausdorff
+from torchtitan.neuron_metrics import neuron_scores, pool_neuron_scores
 
 # Probabilities (and linearly resampled binary masks) above this count as foreground.
 THRESHOLD = 0.5
@@ -332,6 +340,12 @@ def instance_scores(pred, truth, voxel_size, valid=None) -> dict:
     """
     truth_ids, stored_ids = truth_instances(truth, valid)
     pred_ids, n_pred = predicted_instances(pred, valid)
+    return scores_of_instances(truth_ids, stored_ids, pred_ids, n_pred, voxel_size)
+
+
+def scores_of_instances(truth_ids, stored_ids, pred_ids, n_pred: int, voxel_size) -> dict:
+    """:func:`instance_scores` of instances already labelled (by :func:`truth_instances` and
+    :func:`predicted_instances`), for a caller that scores the same instances otherwise too."""
     if truth_ids.shape != pred_ids.shape:
         raise ValueError(f"prediction shape {pred_ids.shape} differs from ground truth {truth_ids.shape}")
     n_true = int(stored_ids.size)
@@ -379,10 +393,12 @@ def instance_scores(pred, truth, voxel_size, valid=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def score_class(pred, truth, valid, voxel_size, instance: bool) -> dict:
+def score_class(pred, truth, valid, voxel_size, instance: bool, neuron: bool = False) -> dict:
     """Scores of one class in one crop: semantic IoU/Dice and voxel counts, and for an
     instance class also :func:`instance_scores` (its instance counts named
     ``instance_tp``/``instance_fp``/``instance_fn``, since ``tp``/``fp``/``fn`` count voxels).
+    An instance class that is also a ``neuron`` class gets the VOI and ARAND of the same
+    instances (:func:`torchtitan.neuron_metrics.neuron_scores`), whatever the instance status.
     ``pred``: mask, probabilities (> 0.5) or ids; ``valid``: voxels that count (None: all)."""
     truth = np.asarray(truth)
     pred = np.asarray(pred)
@@ -395,16 +411,21 @@ def score_class(pred, truth, valid, voxel_size, instance: bool) -> dict:
         pred = pred > THRESHOLD
     scores = {"type": "semantic", **semantic_crop_scores(pred, truth, valid)}
     if instance:
-        inst = instance_scores(pred, truth, voxel_size, valid)
+        truth_ids, stored_ids = truth_instances(truth, valid)
+        pred_ids, n_pred = predicted_instances(pred, valid)
+        inst = scores_of_instances(truth_ids, stored_ids, pred_ids, n_pred, voxel_size)
         for key in ("tp", "fp", "fn"):
             inst[f"instance_{key}"] = inst.pop(key)
         scores.update(type="instance", **inst)
+        if neuron:  # both are background outside ``valid`` already
+            scores.update(neuron_scores(truth_ids, pred_ids))
     return scores
 
 
 def score_crop(pred_by_class: dict, truth_by_class: dict, valid_by_class: dict, voxel_size,
-               instance_classes=INSTANCE_CLASSES) -> dict:
-    """Scores of every class a crop annotates (:func:`score_class`).
+               instance_classes=INSTANCE_CLASSES, neuron_classes=NEURON_CLASSES) -> dict:
+    """Scores of every class a crop annotates (:func:`score_class`; the neuron metrics for
+    the instance classes among ``neuron_classes``).
 
     ``truth_by_class`` names the annotated classes (a class missing there is not scored);
     a class missing from ``pred_by_class`` counts as an empty prediction, one missing from
@@ -421,7 +442,8 @@ def score_crop(pred_by_class: dict, truth_by_class: dict, valid_by_class: dict, 
         pred = pred_by_class.get(name)
         pred = np.zeros(truth.shape, bool) if pred is None else pred
         try:
-            classes[name] = score_class(pred, truth, valid, voxel_size, name in instance_classes)
+            classes[name] = score_class(pred, truth, valid, voxel_size, name in instance_classes,
+                                        name in neuron_classes)
         except ValueError as e:
             raise ValueError(f"class {name!r}: {e}") from None
     return {"voxel_size": [float(v) for v in voxel_size], "classes": classes}
@@ -487,7 +509,8 @@ def combine_scores(crops: list[dict]) -> dict:
     CellMap challenge's 2025 rules; validation and the scoring command both use it.
 
     Semantic: voxel TP/FP/FN pooled over crops, IoU/Dice of the sums. Instance:
-    :func:`pool_instance_scores`. Overall: :func:`overall_scores`.
+    :func:`pool_instance_scores`. Neuron metrics, where crops have them:
+    :func:`torchtitan.neuron_metrics.pool_neuron_scores`. Overall: :func:`overall_scores`.
     """
     classes = {}
     for name, entries in scores_by_class(crops).items():
@@ -497,6 +520,9 @@ def combine_scores(crops: list[dict]) -> dict:
         out = {"type": kind, "crops": len(entries), "iou": iou, "dice": dice, "tp": tp, "fp": fp, "fn": fn}
         if kind == "instance":
             out.update(pool_instance_scores([e for e in entries if e["type"] == "instance"]))
+        neuron = [e for e in entries if "voi_split" in e]
+        if neuron:
+            out.update(pool_neuron_scores(neuron))
         classes[name] = out
     overall = overall_scores([c["iou"] for c in classes.values() if c["type"] == "semantic"],
                              [c["score"] for c in classes.values() if c["type"] == "instance"])
@@ -508,7 +534,9 @@ def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
 
     ``val/iou/<class>`` and ``val/dice/<class>`` for every scored class,
     ``val/instance_score/<class>``, ``val/f1/<class>`` and ``val/hausdorff_nm/<class>`` for
-    instance classes, ``val/mean_iou`` and ``val/mean_dice`` over every scored class, and the
+    instance classes, ``val/voi_split/<class>``, ``val/voi_merge/<class>``, ``val/voi/<class>``
+    (their sum) and ``val/arand/<class>`` for classes scored with the neuron metrics,
+    ``val/mean_iou`` and ``val/mean_dice`` over every scored class, and the
     challenge's overall ``val/mean_semantic_iou``, ``val/mean_instance_score`` and
     ``val/score`` (a half that was not scored is left out).
     """
@@ -525,6 +553,9 @@ def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:
             out[f"val/f1/{name}"] = c["f1"]
             if c["mean_hausdorff_nm"] is not None:
                 out[f"val/hausdorff_nm/{name}"] = c["mean_hausdorff_nm"]
+        if "voi_split" in c:
+            for key in ("voi_split", "voi_merge", "voi", "arand"):
+                out[f"val/{key}/{name}"] = c[key]
     scored = [per_class[n] for n in classes if n in per_class]
     if scored:
         out["val/mean_iou"] = float(np.mean([c["iou"] for c in scored]))

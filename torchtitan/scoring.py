@@ -55,6 +55,12 @@ their voxel counts:
 * overall: the mean over instance classes of the combined score and over semantic classes of
   the IoU, and their geometric mean (a half with no class: as for 2025).
 
+In both, a class of ``NEURON_CLASSES`` (``cell``) also gets the metrics neuron segmentation
+is judged by, reported beside its score and not part of it: VOI split and merge and the
+adapted Rand error (CREMI's definitions, :mod:`torchtitan.neuron_metrics`) of the true ids and
+the same predicted instances the instance metric scores, each crop's pooled as if the crops lay
+side by side in one volume (a class left out counts as predicted background everywhere).
+
 In both, voxels the ground truth marks unknown are set to background in prediction and truth
 (the challenge's masks), and only classes of the CellMap class table are scored (a fetched
 crop's ``all`` group is not a class).
@@ -71,7 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.cellmap.challenge import ALL_LABELS_GROUP
-from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES, check_class_names
+from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES, NEURON_CLASSES, check_class_names
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import ScaleLevel
 from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to_target
@@ -91,6 +97,7 @@ from torchtitan.evaluation import (
     truth_instances,
 )
 from torchtitan.hausdorff import normalize_distance, pair_hausdorff
+from torchtitan.neuron_metrics import neuron_scores, pool_neuron_scores
 
 METRIC_VERSIONS = {
     "2025": "cellmap-2025 (revised: counts pooled per class; instance F1 x per-instance Hausdorff)",
@@ -262,6 +269,15 @@ def _instance_2024(pred, truth, voxel_size) -> dict:
             "score": float(math.sqrt(accuracy * normalized))}
 
 
+def _neuron_scores(pred, truth, name: str) -> dict:
+    """VOI and ARAND of an instance class among ``NEURON_CLASSES`` (else nothing) from the
+    instances the instance metric scores; ``pred`` None (left out): all background."""
+    if name not in NEURON_CLASSES or name not in INSTANCE_CLASSES:
+        return {}
+    pred_ids = np.zeros(truth.shape, np.int32) if pred is None else predicted_instances(pred)[0]
+    return neuron_scores(truth_instances(truth)[0], pred_ids)
+
+
 def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAULT_METRIC_VERSION) -> dict:
     """The challenge's scores of one class in one crop (``pred`` None: left out of the
     submission). ``truth`` holds a mask or ids, ``valid`` the annotated voxels. The 2025
@@ -284,6 +300,7 @@ def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAUL
             else:
                 out.update(accuracy=0.0, hausdorff_nm=0.0, normalized_hausdorff=0.0, score=0.0,
                            instance_tp=0, instance_fp=0, instance_fn=n_true, n_true=n_true)
+            out.update(_neuron_scores(None, truth, name))
         elif version == "2024":
             out.update(iou=0.0, dice=0.0)
         return out
@@ -293,13 +310,13 @@ def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAUL
                          "must have one shape (resample the prediction to the crop's grid)")
     if version == "2025":
         return {"predicted": True, "num_voxels": num_voxels,
-                **score_class(pred, truth, valid, voxel_size, kind == "instance")}
+                **score_class(pred, truth, valid, voxel_size, kind == "instance", name in NEURON_CLASSES)}
     if pred.dtype.kind == "f":
         pred = pred > THRESHOLD
     pred = np.where(valid, pred, 0)
     out = {"type": kind, "predicted": True, "num_voxels": num_voxels, **semantic_crop_scores(pred, truth)}
     if kind == "instance":
-        out.update(_instance_2024(pred, truth, voxel_size))
+        out.update(_instance_2024(pred, truth, voxel_size), **_neuron_scores(pred, truth, name))
     return out
 
 
@@ -331,6 +348,9 @@ def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VE
                        hausdorff_nm=_weighted(entries, "hausdorff_nm"),
                        normalized_hausdorff=_weighted(entries, "normalized_hausdorff"),
                        score=_weighted(entries, "score"))
+        neuron = [e for e in entries if "voi_split" in e]
+        if neuron:
+            out.update(pool_neuron_scores(neuron))
         classes[name] = out
     overall = overall_scores([c["iou"] for c in classes.values() if c["type"] == "semantic"],
                              [c["score"] for c in classes.values() if c["type"] == "instance"])
@@ -419,7 +439,8 @@ def score_submission(predictions, groundtruth, crops=None, classes=None, warn=No
 
 
 def format_table(result: dict) -> str:
-    """A short text table: the metric, one row per crop and class, then per class."""
+    """A short text table: the metric, one row per crop and class, then per class (VOI split,
+    merge and ARAND: "-" for a class not scored with them)."""
 
     def num(value, fmt="{:.3f}"):
         return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) \
@@ -428,14 +449,16 @@ def format_table(result: dict) -> str:
     def half(value):  # a half of the overall score with no class in it
         return "not scored" if value is None else num(value)
 
-    header = f"{'crop':<8} {'class':<10} {'type':<8} {'IoU':>6} {'Dice':>6} {'F1/acc':>6} {'HDnorm':>6} {'score':>6}"
+    header = (f"{'crop':<8} {'class':<10} {'type':<8} {'IoU':>6} {'Dice':>6} {'F1/acc':>6} "
+              f"{'HDnorm':>6} {'score':>6} {'VOIspl':>6} {'VOImrg':>6} {'ARAND':>6}")
     lines = [f"metric: {result['metric_description']}", header, "-" * len(header)]
 
     def row(crop, name, s):
         lines.append(
             f"{crop:<8} {name:<10} {s['type']:<8} {num(s.get('iou')):>6} {num(s.get('dice')):>6} "
             f"{num(s.get('f1', s.get('accuracy'))):>6} {num(s.get('normalized_hausdorff')):>6} "
-            f"{num(s.get('score')):>6}"
+            f"{num(s.get('score')):>6} {num(s.get('voi_split')):>6} {num(s.get('voi_merge')):>6} "
+            f"{num(s.get('arand')):>6}"
         )
 
     for crop, r in result["crops"].items():

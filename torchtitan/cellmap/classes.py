@@ -117,6 +117,12 @@ INSTANCE_CLASSES: tuple[str, ...] = (
     "nuc", "vim", "ves", "endo", "lyso", "ld", "perox", "mito", "np", "mt", "cell",
 )
 
+# The classes scored also as dense segmentations, with the metrics neuron segmentation is
+# judged by (variation of information split / merge, adapted Rand error; CREMI's definitions,
+# ``torchtitan/neuron_metrics.py``): neuron bodies are ``cell`` instances, and these metrics
+# weigh a false merge or split of large, touching cells by its volume. Each is an instance class.
+NEURON_CLASSES: tuple[str, ...] = ("cell",)
+
 
 def atoms(name: str) -> frozenset[str]:
     """The atomic classes that make up ``name`` (itself when atomic or not in the table)."""
