@@ -11,9 +11,11 @@ other:
 
 * **Sections** are the images of a folder (``.tif``, ``.tiff``, ``.png``) or of a glob, in
   natural order (``2.tif`` before ``10.tif``), or the pages of one multi-page TIFF. They must
-  all have one size and one type: 8-bit (``L``) or 16-bit (``I;16``) greyscale.
+  all have one size and one type: 8-bit (``L``) or 16-bit (``I;16``) greyscale. Or they are
+  the z sections of a 3D dataset of an HDF5 file, ``FILE.h5:volumes/raw``
+  (``volume_files``), read slab by slab; its ``resolution`` attribute gives the voxel size.
 * **EM** becomes an OME-NGFF multiscale pyramid of the given voxel size (z, y, x nm; voxel 0
-  centred at the origin). Anisotropic stacks (thin sections) are halved in plane only until
+  centred at the origin). Isotropic volumes halve every axis per level. Anisotropic stacks (thin sections) are halved in plane only until
   their pixels approach the section thickness (``ome_ngff.pyramid_steps``). uint16 EM is stored
   with its intensity range (OME-NGFF ``omero`` window), which the loader maps onto 0..255.
 * **Labels** (one image per EM section) become label crops, each a range of whole sections
@@ -23,6 +25,8 @@ other:
   Instance classes of the challenge (``mito``, ``nuc``, ...) store object ids instead of 1:
   connected components in 3D, or per section (``instances="2d"``). Every label value found
   must belong to a class, to ``background`` (absent for every class) or to ``unknown``.
+  Labels that are object ids (neurons, bodies) need no value map: ``ids`` stores them as one
+  instance class and may derive a boundary class from them (``id_labels``).
 * A stack without labels becomes EM only (for MAE pretraining and prediction).
 
 What label values mean (value maps) and the crops are :mod:`torchtitan.datasets.stack_labels`.
@@ -51,12 +55,20 @@ from torchtitan.cellmap.ome_ngff import (
     write_pyramid,
 )
 from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.datasets.id_labels import IdLabels, check_id_options, check_id_volume, id_classes
 from torchtitan.datasets.stack_labels import (
     ImageStackError,
     ValueMap,
     check_crops,
     check_value_map,
     parse_crop,
+)
+from torchtitan.datasets.volume_files import (
+    HDF5Volume,
+    open_hdf5,
+    resolve_voxel_size,
+    slabs,
+    split_hdf5,
 )
 
 IMAGE_SUFFIXES = (".tif", ".tiff", ".png")
@@ -119,6 +131,15 @@ class ImageStack:
     sections: list[Section]
     shape: tuple[int, int]  # (y, x) pixels
     dtype: np.dtype
+
+    @property
+    def name(self) -> str:
+        """The stack for messages: its folder, or its file (one multi-page TIFF)."""
+        files = {s.file for s in self.sections}
+        return str(self.sections[0].file if len(files) == 1 else self.sections[0].file.parent)
+
+    def where(self, index: int) -> str:
+        return str(self.sections[index])
 
     def __len__(self) -> int:
         return len(self.sections)
@@ -207,6 +228,14 @@ def open_stack(source: str | Path, what: str) -> ImageStack:
     return ImageStack(what, sections, first[1], np.dtype(_MODES[first[2]]))
 
 
+def open_volume(source: str | Path, what: str) -> ImageStack | HDF5Volume:
+    """Sections to import: a dataset of an HDF5 file (``FILE.h5:DATASET``, see
+    ``volume_files``) or an image stack (:func:`open_stack`); both read alike."""
+    if split_hdf5(source) is not None:
+        return open_hdf5(source, what)
+    return open_stack(source, what)
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +250,7 @@ def stack_chunks(scale, shape, voxels: int = CHUNK_VOXELS) -> tuple[int, int, in
                  for i, n in zip(inv, shape))
 
 
-def _write_em(store, stack: ImageStack, scale, log) -> dict:
+def _write_em(store, stack: ImageStack | HDF5Volume, scale, log) -> dict:
     shape = (len(stack), *stack.shape)
     steps = pyramid_steps(scale, shape)
     chunks = stack_chunks(scale, shape)
@@ -276,15 +305,25 @@ def _class_array(labels: np.ndarray, lut: np.ndarray, unknown: np.ndarray, insta
     return out, LabelEncoding(), None
 
 
-def _unclaimed_values(labels: ImageStack, crops, claimed: np.ndarray) -> dict[int, list[int]]:
+def _value_map_classes(data: np.ndarray, vm: ValueMap, instances: str):
+    """``(class, values, encoding, object count or None)`` of each class of a value map,
+    for one crop's labels."""
+    size = int(np.iinfo(data.dtype).max) + 1
+    unknown = vm.unknown.table(size)[data] if vm.unknown else np.zeros(data.shape, bool)
+    for cls, values in vm.classes.items():
+        yield (cls, *_class_array(data, values.table(size), unknown, instances, cls))
+
+
+def _unclaimed_values(labels, crops, claimed: np.ndarray) -> dict[int, list[int]]:
     """Label values no class, background or unknown claims -> the sections holding them."""
     found: dict[int, list[int]] = {}
     size = claimed.size
     for _, a, b in crops:
-        for z in range(a, b + 1):
-            counts = np.bincount(labels.read(z).ravel(), minlength=size)
-            for v in np.flatnonzero((counts > 0) & ~claimed):
-                found.setdefault(int(v), []).append(z)
+        for z0, slab in slabs(labels, a, b + 1):
+            for z, section in enumerate(slab, z0):
+                counts = np.bincount(section.ravel(), minlength=size)
+                for v in np.flatnonzero((counts > 0) & ~claimed):
+                    found.setdefault(int(v), []).append(z)
     return found
 
 
@@ -297,17 +336,15 @@ def _sections_text(sections: list[int]) -> str:
     return ", ".join(runs)
 
 
-def _write_crop(store, labels: ImageStack, name: str, a: int, b: int, scale, vm: ValueMap,
-                instances: str, log) -> dict:
+def _write_crop(store, labels, name: str, a: int, b: int, scale, classes, log) -> dict:
+    """Label crop ``name`` (sections ``a`` to ``b``): one group per class that ``classes``
+    (labels -> class arrays: :func:`_value_map_classes` or ``id_labels.id_classes``) makes."""
     data = labels.read_range(a, b + 1)
-    size = int(np.iinfo(labels.dtype).max) + 1
-    unknown = vm.unknown.table(size)[data] if vm.unknown else np.zeros(data.shape, bool)
     translation = (a * float(scale[0]), 0.0, 0.0)
     chunks = stack_chunks(scale, data.shape)
     crop = store.require_group(f"{GT_GROUP}/{name}")
     summary = {"sections": [a, b], "shape": list(data.shape), "classes": {}}
-    for cls, values in vm.classes.items():
-        arr, enc, n = _class_array(data, values.table(size), unknown, instances, cls)
+    for cls, arr, enc, n in classes(data):
         write_multiscale_array_group(crop, cls, [arr], scale, translation, chunks=chunks,
                                      extra_attrs=annotation_attrs(cls, arr, enc, n is not None))
         target = (arr != enc.absent) & (arr != enc.unknown)
@@ -346,6 +383,9 @@ DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 def default_name(em: str | Path) -> str:
     """The dataset name a stack gets by default: its folder's name (a file's: its stem)."""
+    hdf5 = split_hdf5(em)
+    if hdf5 is not None:
+        return hdf5[0].stem
     path = Path(str(em))
     if glob.has_magic(str(em)):
         path = Path(str(em)).parent
@@ -355,31 +395,40 @@ def default_name(em: str | Path) -> str:
     return path.resolve().name if path.is_dir() else path.stem
 
 
-def _open_labels(labels, em_stack: ImageStack, crops: list[str] | None, value_map: ValueMap,
-                 out: Path, name: str) -> tuple[ImageStack, list[tuple[str, int, int]]]:
-    """The label stack and its crops, checked against the EM, the value map and the crops
-    already in ``out``."""
-    label_stack = open_stack(labels, "--labels")
-    if len(label_stack) != len(em_stack):
+def _check_same_shape(labels, em) -> None:
+    """Labels cover the EM voxel for voxel: as many sections, each of the same size."""
+    if isinstance(labels, ImageStack) and isinstance(em, ImageStack):
+        if len(labels) != len(em):
+            raise ImageStackError(
+                f"--labels has {len(labels)} images but --em has {len(em)} sections (first "
+                f"label {labels.where(0)}, first EM {em.where(0)}); give one label image per EM "
+                "section, in the same order")
+        if labels.shape != em.shape:
+            raise ImageStackError(
+                f"--labels: {labels.where(0)} is {labels.shape[1]} x {labels.shape[0]} pixels "
+                f"(x, y) but the EM sections ({em.where(0)}) are {em.shape[1]} x {em.shape[0]}; "
+                "labels must cover the EM pixel for pixel")
+    elif (len(labels), *labels.shape) != (len(em), *em.shape):
         raise ImageStackError(
-            f"--labels has {len(label_stack)} images but --em has {len(em_stack)} sections "
-            f"(first label {label_stack.sections[0]}, first EM {em_stack.sections[0]}); give "
-            "one label image per EM section, in the same order")
-    if label_stack.shape != em_stack.shape:
+            f"--labels {labels.name} is {len(labels)} x {labels.shape[0]} x {labels.shape[1]} "
+            f"(z, y, x) but --em {em.name} is {len(em)} x {em.shape[0]} x {em.shape[1]}; labels "
+            "must cover the EM voxel for voxel: give the labels of this EM volume, or cut both "
+            "to the region they share")
+
+
+def _check_value_labels(labels, crop_list, value_map: ValueMap) -> None:
+    """Every label value of the crops belongs to a class, to background or to unknown."""
+    if labels.dtype not in (np.uint8, np.uint16):
         raise ImageStackError(
-            f"--labels: {label_stack.sections[0]} is {label_stack.shape[1]} x "
-            f"{label_stack.shape[0]} pixels (x, y) but the EM sections "
-            f"({em_stack.sections[0]}) are {em_stack.shape[1]} x {em_stack.shape[0]}; labels "
-            "must cover the EM pixel for pixel")
-    crop_list = [parse_crop(c) for c in crops] if crops else [("crop1", 0, len(em_stack) - 1)]
-    check_crops(crop_list, len(em_stack))
-    _check_crop_names_free(out, name, [c[0] for c in crop_list])
-    check_value_map(value_map, label_stack.dtype)
-    size = int(np.iinfo(label_stack.dtype).max) + 1
+            f"--labels {labels.name} is {labels.dtype.name}: a value map (--class, --value_map) "
+            "needs 8- or 16-bit unsigned labels; for a volume of object ids (neurons, bodies) "
+            "give --ids CLASS (e.g. --ids cell) instead")
+    check_value_map(value_map, labels.dtype)
+    size = int(np.iinfo(labels.dtype).max) + 1
     claimed = value_map.background.table(size) | value_map.unknown.table(size)
     for values in value_map.classes.values():
         claimed |= values.table(size)
-    unclaimed = _unclaimed_values(label_stack, crop_list, claimed)
+    unclaimed = _unclaimed_values(labels, crop_list, claimed)
     if unclaimed:
         listing = "; ".join(f"value {v} in sections {_sections_text(s)}"
                             for v, s in sorted(unclaimed.items()))
@@ -388,62 +437,69 @@ def _open_labels(labels, em_stack: ImageStack, crops: list[str] | None, value_ma
             f"--labels: label values that no class claims: {listing}. Add each to a class "
             f"(--class NAME={v}), to --background {v} (absent for every class) or to "
             f"--unknown {v} (not annotated)")
-    return label_stack, crop_list
 
 
-def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path | None = None,
-                 name: str | None = None, crops: list[str] | None = None,
-                 value_map: ValueMap | None = None, instances: str = "3d",
-                 overwrite: bool = False, log: Callable[[str], None] | None = None) -> dict:
-    """Write the stack ``em`` (and its ``labels``) as ``out/<name>/<name>.zarr`` (see the
-    module docstring) and return a summary: the store, its EM levels and, per crop, the
-    fraction of annotated voxels each class covers (and its object count).
+def _open_labels(labels, em, crops: list[str] | None, value_map: ValueMap, ids: IdLabels | None,
+                 out: Path, name: str) -> tuple[ImageStack | HDF5Volume, list[tuple[str, int, int]]]:
+    """The label volume and its crops, checked against the EM, the value map or id spec, and
+    the crops already in ``out``."""
+    volume = open_volume(labels, "--labels")
+    _check_same_shape(volume, em)
+    crop_list = [parse_crop(c) for c in crops] if crops else [("crop1", 0, len(em) - 1)]
+    check_crops(crop_list, len(em))
+    _check_crop_names_free(out, name, [c[0] for c in crop_list])
+    if ids is not None:
+        check_id_volume(volume, crop_list, ids)
+    else:
+        _check_value_labels(volume, crop_list, value_map)
+    return volume, crop_list
 
-    ``crops``: ``"crop1=0-15"`` strings (default: ``crop1`` over every section);
-    ``value_map``: the classes' label values, the background and unknown values;
-    ``instances``: ``"3d"`` (connected components across sections), ``"2d"`` (per section) or
-    ``"none"`` (instance classes stored as 0/1 masks).
-    """
-    log = log or (lambda _msg: None)
-    name = name or default_name(em)
-    if not DATASET_NAME.fullmatch(name):
-        raise ImageStackError(f"--name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
-    voxel_size = tuple(float(v) for v in voxel_size)
+
+def _check_voxel_size(given) -> tuple[float, float, float] | None:
+    if given is None:
+        return None
+    voxel_size = tuple(float(v) for v in given)
     if len(voxel_size) != 3 or min(voxel_size) <= 0:
         raise ImageStackError(f"--voxel_size {list(voxel_size)}: expected 3 sizes in nm (z, y, x), "
                               "each > 0, e.g. 50,4.6,4.6")
-    if instances not in INSTANCE_MODES:
-        raise ImageStackError(f"--instances {instances!r}: expected one of {INSTANCE_MODES}")
-    out = Path(out)
-    final = out / name
-    if out.exists() and not out.is_dir():
-        raise ImageStackError(f"--out {out} is a file; give the folder to write the dataset into")
-    if final.exists() and not overwrite:
-        raise ImageStackError(f"{final} exists already; choose another --name or --out, or pass "
-                              "--overwrite to replace it")
-    value_map = value_map or ValueMap()
-    if labels is None and (value_map.classes or value_map.background or value_map.unknown or crops):
+    return voxel_size
+
+
+def _check_label_options(labels, crops, value_map: ValueMap, ids: IdLabels | None) -> None:
+    """Labels are either values of a value map or object ids, and either needs --labels."""
+    if ids is not None:
+        check_id_options(ids)
+        if value_map.classes or value_map.background:
+            raise ImageStackError(
+                f"--ids {ids.cls} reads the labels as object ids, but --class, --value_map or "
+                "--background say which label values make up each class: give --ids (and "
+                "--boundary, --unknown) for a volume of object ids, or a value map for labels "
+                "whose values are classes, not both")
+        if labels is None:
+            raise ImageStackError(f"--ids {ids.cls} needs the volume of object ids: give it with "
+                                  "--labels (e.g. --labels FILE.h5:volumes/labels/neuron_ids)")
+    elif labels is None and (value_map.classes or value_map.background or value_map.unknown or crops):
         raise ImageStackError("a value map (--class, --value_map, --background, --unknown) and "
                               "--crop need label images: give them with --labels")
 
-    em_stack = open_stack(em, "--em")
-    label_stack, crop_list = None, []
-    if labels is not None:
-        label_stack, crop_list = _open_labels(labels, em_stack, crops, value_map, out, name)
 
+def _write_store(out: Path, name: str, em, labels, crop_list, voxel_size, classes, log) -> dict:
+    """Write the store beside its place (``.<name>.partial``) and rename it into
+    ``out/<name>`` at the end, replacing what was there only then."""
     import zarr
 
+    final = out / name
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f".{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     store_path = partial / f"{name}.zarr"
     try:
         store = zarr.open_group(str(store_path), mode="w", zarr_format=2)
-        summary = {"store": str(final / f"{name}.zarr"), "em": _write_em(store, em_stack, voxel_size, log),
-                   "crops": {}}
+        summary = {"store": str(final / f"{name}.zarr"), "voxel_size": list(voxel_size),
+                   "em": _write_em(store, em, voxel_size, log), "crops": {}}
         for crop_name, a, b in crop_list:
-            summary["crops"][crop_name] = _write_crop(store, label_stack, crop_name, a, b,
-                                                      voxel_size, value_map, instances, log)
+            summary["crops"][crop_name] = _write_crop(store, labels, crop_name, a, b,
+                                                      voxel_size, classes, log)
         if final.exists():
             old = out / f".{name}.replaced"
             shutil.rmtree(old, ignore_errors=True)
@@ -457,3 +513,49 @@ def import_stack(em: str | Path, out: str | Path, voxel_size, labels: str | Path
         raise
     log(f"wrote {summary['store']}")
     return summary
+
+
+def import_stack(em: str | Path, out: str | Path, voxel_size=None, labels: str | Path | None = None,
+                 name: str | None = None, crops: list[str] | None = None,
+                 value_map: ValueMap | None = None, instances: str = "3d",
+                 ids: IdLabels | None = None, overwrite: bool = False,
+                 log: Callable[[str], None] | None = None) -> dict:
+    """Write the stack or HDF5 volume ``em`` (and its ``labels``) as ``out/<name>/<name>.zarr``
+    (see the module docstring) and return a summary: the store, the voxel size, its EM levels
+    and, per crop, the fraction of annotated voxels each class covers (and its object count).
+
+    ``voxel_size``: z, y, x nm; None takes the HDF5 ``resolution`` attribute;
+    ``crops``: ``"crop1=0-15"`` strings (default: ``crop1`` over every section);
+    ``value_map``: the classes' label values, the background and unknown values;
+    ``instances``: ``"3d"`` (connected components across sections), ``"2d"`` (per section) or
+    ``"none"`` (instance classes stored as 0/1 masks);
+    ``ids``: the labels are object ids instead (``id_labels``), with no value map.
+    """
+    log = log or (lambda _msg: None)
+    name = name or default_name(em)
+    if not DATASET_NAME.fullmatch(name):
+        raise ImageStackError(f"--name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
+    given = _check_voxel_size(voxel_size)
+    if instances not in INSTANCE_MODES:
+        raise ImageStackError(f"--instances {instances!r}: expected one of {INSTANCE_MODES}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ImageStackError(f"--out {out} is a file; give the folder to write the dataset into")
+    if (out / name).exists() and not overwrite:
+        raise ImageStackError(f"{out / name} exists already; choose another --name or --out, or "
+                              "pass --overwrite to replace it")
+    value_map = value_map or ValueMap()
+    _check_label_options(labels, crops, value_map, ids)
+
+    em_volume = open_volume(em, "--em")
+    label_volume, crop_list = None, []
+    if labels is not None:
+        label_volume, crop_list = _open_labels(labels, em_volume, crops, value_map, ids, out, name)
+    voxel_size = resolve_voxel_size(given, em_volume, label_volume, log)
+    if ids is not None:
+        def classes(data):
+            return id_classes(data, ids)
+    else:
+        def classes(data):
+            return _value_map_classes(data, value_map, instances)
+    return _write_store(out, name, em_volume, label_volume, crop_list, voxel_size, classes, log)
