@@ -498,6 +498,15 @@ class Inference:
         0.5, "instances = 'watershed': two touching objects stay apart when the neck between "
         "them is thinner than this fraction of the smaller one's thickness (higher: more "
         "splits).", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    boundary_instances: bool = opt(
+        False, "Post-processing: an instance class whose membrane class is predicted too (cell "
+        "with pm) takes its objects from a seeded watershed of the distance to the predicted "
+        "membrane (neurons from boundaries, torchtitan/neurons.py) instead of "
+        "inference.instances (val_post/ scores, predict.py --instances).")
+    boundary_seed_nm: float = opt(
+        10.0, "boundary_instances: seeds are the parts of the interior farther than this from a "
+        "predicted membrane (nm); larger bridges wider gaps in the membrane but splits thin "
+        "processes. Seeds smaller than min_object_nm3 are dropped.", min=0)
 
 
 @dataclass

@@ -17,7 +17,11 @@ settings, the ``[inference]`` section of the config sets them):
 3. **Instances** (instance classes, ``torchtitan.cellmap.classes.INSTANCE_CLASSES``):
    ``"components"`` are the connected components of the mask, exactly as
    :func:`torchtitan.evaluation.label_instances` finds them; ``"watershed"`` separates
-   touching objects at narrow necks (:func:`watershed_instances`).
+   touching objects at narrow necks (:func:`watershed_instances`). With
+   ``boundary_instances``, a class whose membrane class is predicted too
+   (``cellmap.classes.MEMBRANE_OF``: ``cell`` with ``pm``) is cut into objects by the
+   predicted membrane instead (:func:`torchtitan.neurons.boundary_instances`, after steps 1-2
+   on both masks).
 
 The watershed is a flooding of the distance-to-background map by levels, from the deepest
 voxels outwards (immersion): at each level, the newly covered voxels join the basin they touch;
@@ -48,9 +52,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import scipy.ndimage as ndi
 
-from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.cellmap.classes import INSTANCE_CLASSES, MEMBRANE_OF
 from torchtitan.errors import UserError
 from torchtitan.evaluation import THRESHOLD, combine_scores, label_instances, score_crop
+from torchtitan.neurons import boundary_instances
 
 FILL_HOLES_MODES = ("none", "planes", "volume")
 INSTANCE_METHODS = ("components", "watershed")
@@ -72,6 +77,8 @@ class PostProcessing:
     fill_holes_classes: tuple[str, ...] = field(default_factory=tuple)
     instances: str = "components"
     watershed_neck_ratio: float = 0.5
+    boundary_instances: bool = False
+    boundary_seed_nm: float = 10.0
 
     def __post_init__(self):
         if not np.isfinite(self.min_object_nm3) or self.min_object_nm3 < 0:
@@ -89,6 +96,9 @@ class PostProcessing:
         if not 0 < self.watershed_neck_ratio <= 1:
             raise PostProcessingError(
                 f"inference.watershed_neck_ratio = {self.watershed_neck_ratio}: must be in (0, 1]")
+        if not np.isfinite(self.boundary_seed_nm) or self.boundary_seed_nm < 0:
+            raise PostProcessingError(
+                f"inference.boundary_seed_nm = {self.boundary_seed_nm}: must be >= 0 (nm)")
         object.__setattr__(self, "fill_holes_classes", tuple(self.fill_holes_classes))
 
     @classmethod
@@ -97,12 +107,21 @@ class PostProcessing:
         return cls(min_object_nm3=inference.min_object_nm3, fill_holes=inference.fill_holes,
                    fill_holes_classes=tuple(inference.fill_holes_classes),
                    instances=inference.instances,
-                   watershed_neck_ratio=inference.watershed_neck_ratio)
+                   watershed_neck_ratio=inference.watershed_neck_ratio,
+                   boundary_instances=inference.boundary_instances,
+                   boundary_seed_nm=inference.boundary_seed_nm)
 
     @property
     def enabled(self) -> bool:
         """Whether any step changes a prediction."""
-        return self.min_object_nm3 > 0 or self.fill_holes != "none" or self.instances != "components"
+        return (self.min_object_nm3 > 0 or self.fill_holes != "none"
+                or self.instances != "components" or self.boundary_instances)
+
+    def membrane(self, name: str, classes) -> str | None:
+        """The class whose predicted boundaries cut ``name`` into objects, when
+        ``boundary_instances`` is on and that class is among ``classes``; else None."""
+        membrane = MEMBRANE_OF.get(name)
+        return membrane if self.boundary_instances and membrane in classes else None
 
     def fills(self, name: str) -> bool:
         return self.fill_holes != "none" and (not self.fill_holes_classes
@@ -111,7 +130,8 @@ class PostProcessing:
     def steps(self) -> dict[str, PostProcessing]:
         """``raw``, each enabled step on its own, and ``all`` (these settings) when more than
         one step is enabled: what :func:`measure` compares."""
-        raw = PostProcessing(watershed_neck_ratio=self.watershed_neck_ratio)
+        raw = PostProcessing(watershed_neck_ratio=self.watershed_neck_ratio,
+                             boundary_seed_nm=self.boundary_seed_nm)
         out = {"raw": raw}
         if self.min_object_nm3 > 0:
             out["min_object"] = replace(raw, min_object_nm3=self.min_object_nm3)
@@ -120,6 +140,8 @@ class PostProcessing:
                 raw, fill_holes=self.fill_holes, fill_holes_classes=self.fill_holes_classes)
         if self.instances != "components":
             out[self.instances] = replace(raw, instances=self.instances)
+        if self.boundary_instances:
+            out["boundaries"] = replace(raw, boundary_instances=True)
         if len(out) > 2:
             out["all"] = self
         return out
@@ -292,8 +314,14 @@ def watershed_instances(mask, voxel_size, neck_ratio: float = 0.5,
     return label_instances(ids)
 
 
-def separate_instances(mask, voxel_size, pp: PostProcessing) -> tuple[np.ndarray, int]:
-    """Instance ids (int32, 1..n) of one instance class's mask with ``pp.instances``."""
+def separate_instances(mask, voxel_size, pp: PostProcessing,
+                       membrane=None) -> tuple[np.ndarray, int]:
+    """Instance ids (int32, 1..n) of one instance class's mask: cut by its predicted
+    ``membrane`` mask (cleaned like the class's) when given (see ``pp.membrane``), else with
+    ``pp.instances``."""
+    if membrane is not None:
+        return boundary_instances(membrane, voxel_size, pp.boundary_seed_nm, inside=mask,
+                                  min_object_nm3=pp.min_object_nm3)
     if pp.instances == "watershed":
         return watershed_instances(mask, voxel_size, pp.watershed_neck_ratio, pp.min_object_nm3)
     return label_instances(np.asarray(mask, dtype=bool))
@@ -313,10 +341,14 @@ def postprocess(masks: dict, voxel_size, pp: PostProcessing,
                 instance_classes=INSTANCE_CLASSES) -> dict[str, np.ndarray]:
     """Every step on a crop's masks (``{class: boolean mask}``): boolean masks for semantic
     classes, instance ids (int32) for ``instance_classes``."""
+    cleaned = {name: clean_mask(mask, name, voxel_size, pp) for name, mask in masks.items()}
     out = {}
-    for name, mask in masks.items():
-        mask = clean_mask(mask, name, voxel_size, pp)
-        out[name] = separate_instances(mask, voxel_size, pp)[0] if name in instance_classes else mask
+    for name, mask in cleaned.items():
+        if name in instance_classes:
+            membrane = pp.membrane(name, cleaned)
+            mask = separate_instances(mask, voxel_size, pp,
+                                      None if membrane is None else cleaned[membrane])[0]
+        out[name] = mask
     return out
 
 

@@ -123,6 +123,11 @@ INSTANCE_CLASSES: tuple[str, ...] = (
 # weigh a false merge or split of large, touching cells by its volume. Each is an instance class.
 NEURON_CLASSES: tuple[str, ...] = ("cell",)
 
+# Instance class -> the membrane class that bounds each of its objects: where both are
+# predicted, the membrane's boundaries cut the class's mask into objects (neurons from their
+# plasma membranes in dense neuropil, where the mask of ``cell`` is one object).
+MEMBRANE_OF: dict[str, str] = {"cell": "pm"}
+
 
 def atoms(name: str) -> frozenset[str]:
     """The atomic classes that make up ``name`` (itself when atomic or not in the table)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,6 +41,22 @@ def most_forwards(count: int, ctx) -> int:
     most = torch.tensor(count, dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ctx.dp_group)
     return int(most)
+
+
+def score_prediction(pred: np.ndarray, vol: CropVolume, post: PostProcessing) -> tuple[dict, dict | None]:
+    """One validation crop's scores (:func:`evaluation.score_crop`) of predicted masks ``pred``
+    (C, *spatial; boolean, one channel per ``vol.classes``), raw and after ``post`` (None when
+    post-processing is off). What validation and ``bench/`` peers score a crop with."""
+    target, valid = vol.target.numpy(), vol.valid.numpy()
+    channel = {name: k for k, name in enumerate(vol.classes) if name in vol.annotated}
+    truth = {n: vol.instance_ids.get(n, target[k]) for n, k in channel.items()}
+    valid_by_class = {n: valid[k] for n, k in channel.items()}
+    masks = {n: pred[k] for n, k in channel.items()}
+    raw = score_crop(masks, truth, valid_by_class, vol.voxel_size)
+    if not post.enabled:
+        return raw, None
+    return raw, score_crop(postprocess(masks, vol.voxel_size, post), truth, valid_by_class,
+                           vol.voxel_size)
 
 
 class SegmentationTask(TaskBase):
@@ -134,15 +151,10 @@ class SegmentationTask(TaskBase):
                 continue
             prob = predictor.predict_volume(vol.image)
             pred = (prob > inf.threshold).numpy()
-            target, valid = vol.target.numpy(), vol.valid.numpy()
-            channel = {name: k for k, name in enumerate(vol.classes) if name in vol.annotated}
-            truth = {n: vol.instance_ids.get(n, target[k]) for n, k in channel.items()}
-            valid_by_class = {n: valid[k] for n, k in channel.items()}
-            masks = {n: pred[k] for n, k in channel.items()}
-            per_crop.append(score_crop(masks, truth, valid_by_class, vol.voxel_size))
-            if post.enabled:
-                per_crop_post.append(score_crop(postprocess(masks, vol.voxel_size, post),
-                                                truth, valid_by_class, vol.voxel_size))
+            raw, processed = score_prediction(pred, vol, post)
+            per_crop.append(raw)
+            if processed is not None:
+                per_crop_post.append(processed)
             if ctx.writes_files and self.visuals is not None:
                 self._visualize(ctx, vol, pred, classes)
         predictor.idle_forwards(idle)

@@ -565,15 +565,21 @@ def _postprocess_masks(root, region: Region, classes: list[str], voxel_size, chu
     the run's ``[inference]`` steps (small objects, holes; ``torchtitan/postprocess.py``) on
     every class, then, with ``instances``, replace the masks of instance classes by instance
     ids (``inference.instances``: connected components, found exactly as the scoring command
-    finds them, or watershed)."""
-    for cls in classes:
+    finds them, or watershed; with ``inference.boundary_instances``, a class whose membrane
+    class is predicted too is cut by that membrane's cleaned mask)."""
+    # Classes cut by a membrane class go after it, which is rewritten as cleaned first.
+    membranes = {cls: post.membrane(cls, classes) for cls in classes} if instances else {}
+    for cls in sorted(classes, key=lambda c: membranes.get(c) is not None):
         mask = root[f"{region.name}/{cls}/s0"][:] > 0
         cleaned = clean_mask(mask, cls, voxel_size, post)
         if instances and cls in INSTANCE_CLASSES:
-            ids, n = separate_instances(cleaned, voxel_size, post)
+            membrane = membranes[cls]
+            cut = None if membrane is None else root[f"{region.name}/{membrane}/s0"][:] > 0
+            ids, n = separate_instances(cleaned, voxel_size, post, cut)
             arr = _write_group(root, region, cls, voxel_size, "uint32", chunks)
             arr[:] = ids.astype(np.uint32)
-            logger.info("%s/%s: %d instances (%s)", region.name, cls, n, post.instances)
+            how = post.instances if membrane is None else f"cut by the predicted {membrane}"
+            logger.info("%s/%s: %d instances (%s)", region.name, cls, n, how)
         elif not np.array_equal(cleaned, mask):
             root[f"{region.name}/{cls}/s0"][:] = cleaned.astype(np.uint8)
             logger.info("%s/%s: post-processing changed %d voxels", region.name, cls,
