@@ -30,11 +30,12 @@ SECTION = "## Your own EM"
 REDUCED = {"--training.steps": "2"}
 
 
-def section_commands() -> list[tuple[str, list[str]]]:
-    """(as written, argv) of each command of the section's first shell block."""
+def section_commands(section: str = SECTION) -> list[tuple[str, list[str]]]:
+    """(as written, argv) of each command of the first shell block after the heading
+    ``section``, up to the next section."""
     text = (REPO / "README.md").read_text()
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
+    start = text.index(section)
+    end = text.find("\n## ", start + len(section))
     lang, _, body = next(b for b in fenced_blocks(text[start:end]) if b[0] == "bash")
     commands, parts = [], []
     for line in body:
