@@ -6,19 +6,32 @@
         --model ours=train_configs/quickstart_segmentation_2d.toml \\
         --model "vit_ms=train_configs/quickstart_segmentation_2d.toml --model.head multiscale" \\
         --model unet2d=train_configs/quickstart_segmentation_2d.toml
+    python bench/quality.py --budget 480 --data data/mine --seeds 0,1 \\
+        --model unet2d=train_configs/own_em_segmentation_2d.toml \\
+        --model unet2d_plain=train_configs/own_em_segmentation_2d.toml
 
-Every model is trained by the project's own trainer (torchrun, same processes), on the same
-data, with the same sampler, augmentation, loss and learning-rate schedule (each config's),
-and scored by the same validation (sliding-window prediction of the held-out crops,
-per-class IoU and Dice the CellMap way, instance F1 for instance classes). A model named
-``unet2d`` / ``unet3d`` is MONAI's ``BasicUNet`` (features 16-32-64-128-256, instance norm,
-the config's loss, crop and classes) in place of the ViT, through a task that differs from
-ours only in ``build_model``.
+Every model but the ``*_plain`` ones (below) is trained by the project's own trainer
+(torchrun, same processes), on the same data, with the same sampler, augmentation, loss and
+learning-rate schedule (each config's), and all are scored by the same validation
+(sliding-window prediction of the held-out crops, per-class IoU and Dice the CellMap way,
+instance F1 for instance classes). A model named ``unet2d`` / ``unet3d`` is MONAI's
+``BasicUNet`` (features 16-32-64-128-256, instance norm, the config's loss, crop and classes)
+in place of the ViT, through a task that differs from ours only in ``build_model``.
+
+A model named ``unet2d_plain`` / ``unet3d_plain`` is the same U-Net trained the way MONAI's own
+users train it, outside our trainer: ``bench/unet_standalone.py`` (MONAI's default
+``BasicUNet``, a plain loop in one process on both cores, uniform random windows with random
+flips, BCE on the annotated voxels, Adam at a constant 1e-3, then MONAI's
+``sliding_window_inference``). It reads the config only for the data, crop, batch size and
+``[inference]``, and is scored by the same validation code, so that the comparison does not
+rest on our trainer suiting a U-Net.
 
 Equal budget: each model first trains ``--calibrate`` steps to measure its step time here,
 then trains ``budget / step time`` steps (so that each finishes its own LR schedule within the
-budget) and validates at the end. The table gives the wall time each run took. ``--steps N``
-trains every model for N steps instead (equal steps, e.g. to compare initialisations).
+budget) and validates at the end. A ``*_plain`` model is not calibrated: it trains until its
+budget is spent and reports the steps that took. The table gives the wall time each run took.
+``--steps N`` trains every model for N steps instead (equal steps, e.g. to compare
+initialisations).
 
 Pretraining: ``--pretrain NAME=CONFIG [FLAGS]`` runs an MAE pretraining (``train_mae.py``) once,
 before the models; a model named ``MODEL@NAME`` starts from its encoder (loaded into the
@@ -43,6 +56,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 UNETS = {"unet2d": 2, "unet3d": 3}
+PLAIN_UNETS = {"unet2d_plain": 2, "unet3d_plain": 3}  # bench/unet_standalone.py, no trainer
 DEFAULT_MODELS = [
     "vit_linear=train_configs/quickstart_segmentation_2d.toml",
     "vit_multiscale=train_configs/quickstart_segmentation_2d.toml --model.head multiscale",
@@ -106,6 +120,11 @@ def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
         entry = [str(REPO / entry_script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(nproc), *entry, "--job.config_file", config, *extra, *argv]
+    return run_logged(name, cmd, log)
+
+
+def run_logged(name: str, cmd: list[str], log: Path) -> float:
+    """Run ``cmd`` in the repository, its output into ``log``; returns the wall time."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
         result = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
@@ -167,6 +186,21 @@ def train(name, spec, data, out, nproc, steps, extra=()) -> tuple[float, dict]:
     return wall, scores
 
 
+def train_plain(name, ndim, spec, data, out, budget, steps, extra=()) -> tuple[int, float, dict]:
+    """A ``*_plain`` model: ``bench/unet_standalone.py`` in one process for ``budget`` seconds
+    (``steps`` steps instead when given); returns the steps it trained, its wall time and its
+    scores."""
+    config, *flags = shlex.split(spec)
+    dump = out / name
+    limit = ["--steps", str(steps)] if steps else ["--budget", str(budget)]
+    cmd = [sys.executable, str(REPO / "bench" / "unet_standalone.py"), "--config", config,
+           *flags, "--model.ndim", str(ndim), "--data.dataset_path", str(data),
+           "--out", str(dump), *limit, *extra]
+    wall = run_logged(name, cmd, out / f"{name}.log")
+    scores = records(dump)[-1]
+    return int(scores["step"]), wall, scores
+
+
 def seed_runs(name: str, seeds: list[int]) -> list[tuple[str, list[str]]]:
     """(run name, flags) of each seed of a model; the model's own name when no seeds are given."""
     if not seeds:
@@ -175,11 +209,13 @@ def seed_runs(name: str, seeds: list[int]) -> list[tuple[str, list[str]]]:
 
 
 def seed_mean(runs: list[tuple[int, float, dict]]) -> tuple[int, float, dict]:
-    """Steps, mean wall time and the mean of every score the runs share."""
+    """Mean steps (the same for every seed, except where a budget decided them, as for the
+    ``*_plain`` models), mean wall time and the mean of every score the runs share."""
     keys = set.intersection(*(set(r[2]) for r in runs))
     scores = {k: statistics.fmean(r[2][k] for r in runs) for k in sorted(keys)
               if all(isinstance(r[2][k], (int, float)) for r in runs)}
-    return runs[0][0], statistics.fmean(r[1] for r in runs), scores
+    return (round(statistics.fmean(r[0] for r in runs)), statistics.fmean(r[1] for r in runs),
+            scores)
 
 
 def table(results: dict[str, tuple[int, float, dict]], classes: list[str]) -> str:
@@ -226,7 +262,9 @@ def main(argv=None) -> int:
                              "from its encoder")
     parser.add_argument("--model", action="append", default=None, metavar="NAME=CONFIG [FLAGS]",
                         help="a model to train: NAME=CONFIG plus config flags; NAME unet2d or "
-                             "unet3d trains MONAI's BasicUNet with that config")
+                             "unet3d trains MONAI's BasicUNet with that config in our trainer, "
+                             "unet2d_plain or unet3d_plain in a plain loop "
+                             "(bench/unet_standalone.py)")
     args = parser.parse_args(argv)
     models = dict(m.split("=", 1) for m in (args.model or DEFAULT_MODELS))
     if not args.data.exists():
@@ -243,17 +281,25 @@ def main(argv=None) -> int:
     classes: list[str] = []
     for name, spec in models.items():
         flags = init_flags(name, pretrained)
-        if args.steps:
+        plain = PLAIN_UNETS.get(name.split("@")[0])  # its ndim
+        if plain and flags:
+            raise SystemExit(f"model {name!r}: a plain U-Net trains from scratch only")
+        if args.steps or plain:
             step_time, steps = math.nan, args.steps
         else:
             step_time = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
             steps = max(1, int(args.budget / step_time))
         for run, seed_flags in seed_runs(name, seeds):
-            wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
-                                 [*flags, *seed_flags])
+            if plain:
+                steps, wall, scores = train_plain(run, plain, spec, args.data, args.out,
+                                                  args.budget, args.steps, seed_flags)
+            else:
+                wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
+                                     [*flags, *seed_flags])
             results[run] = (steps, wall, scores)
             classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
-            print(f"{run}: {step_time:.3f} s/step -> {steps} steps, {wall:.0f} s, mean IoU "
+            timed = "" if math.isnan(step_time) else f"{step_time:.3f} s/step -> "
+            print(f"{run}: {timed}{steps} steps, {wall:.0f} s, mean IoU "
                   f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
         if len(seeds) > 1:
             results[f"{name} mean"] = seed_mean([results[r] for r, _ in seed_runs(name, seeds)])

@@ -1,0 +1,70 @@
+"""``bench/quality.py``'s plain-loop U-Net row (``bench/unet_standalone.py``), on tiny data.
+
+The script trains MONAI's BasicUNet outside our trainer; what must hold is that it writes a
+record that ``quality.py`` reads like a trainer run's (steps, ``val/...`` scores) and that the
+row reaches the table, in 2D and 3D. The sampler is checked on its own: a crop smaller than the
+window is padded with unannotated voxels, and image and labels are flipped together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import script_module
+
+from torchtitan.datasets.batch import CropVolume
+
+needs_monai = pytest.mark.skipif(not importlib.util.find_spec("monai"),
+                                 reason="MONAI is a benchmark dependency: pip install monai")
+
+
+@needs_monai
+def test_plain_unet_rows_train_for_their_budget_and_reach_the_table(demo_data, tmp_path, capsys):
+    quality = script_module("bench/quality.py")
+    # One small validation crop, few large windows: the scoring is what is tested, not speed.
+    config = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
+              "--data.val_crops jrc_synth-2/crop7 --inference.batch_size 32")
+    out = tmp_path / "quality"
+    quality.main(["--data", str(demo_data), "--out", str(out), "--budget", "3",
+                  "--model", f"unet2d_plain={config} --model.crop_size 64,64",
+                  "--model", f"unet3d_plain={config} --model.crop_size 16,32,32"])
+    printed = capsys.readouterr().out
+    for name in ("unet2d_plain", "unet3d_plain"):
+        (record,) = quality.records(out / name)
+        assert record["step"] >= 1 and 0 <= record["val/mean_iou"] <= 1, record
+        assert record["train_time_s"] <= record["wall_time_s"]
+        assert any(k.startswith("val/iou/") for k in record)
+        assert f"{name} " in printed.split("| steps")[0], printed  # a column of the table
+    results = json.loads((out / "results.json").read_text())
+    assert results["unet2d_plain"][0] == quality.records(out / "unet2d_plain")[0]["step"]
+
+
+def _volume(shape, classes=("a", "b")) -> CropVolume:
+    n = int(np.prod(shape))
+    image = torch.arange(n, dtype=torch.float32).reshape(1, *shape)
+    target = (image.expand(len(classes), *shape) % 3 == 0)
+    return CropVolume(image, target.clone(), torch.ones_like(target), np.zeros(3),
+                      voxel_size=(8.0, 8.0, 8.0), classes=list(classes),
+                      annotated=list(classes), name="ds/crop1")
+
+
+def test_windows_pad_small_crops_unannotated_and_flip_labels_with_the_image():
+    standalone = script_module("bench/unet_standalone.py")
+    vol = _volume((3, 5, 20))
+    windows = standalone.UniformWindows([vol], (8, 8), np.random.default_rng(0))
+    for _ in range(20):
+        image, target, valid = windows.sample()
+        assert image.shape == (1, 8, 8) and target.shape == valid.shape == (2, 8, 8)
+        # y (5 voxels) is centred in the 8 of the window (rows 1..5, or 2..6 once flipped);
+        # the other rows are padding, which the loss skips.
+        rows = valid[0].any(dim=1).nonzero().flatten().tolist()
+        assert rows in ([1, 2, 3, 4, 5], [2, 3, 4, 5, 6]) and int(valid.sum()) == 2 * 5 * 8
+        # The labels are a function of the EM value: any flip moved both alike.
+        inside = valid[0]
+        assert torch.equal(target[0][inside], image[0][inside] % 3 == 0)
+    image, target, valid = windows.batch(4)
+    assert image.shape == (4, 1, 8, 8) and target.dtype == valid.dtype == torch.float32
