@@ -57,6 +57,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 UNETS = {"unet2d": 2, "unet3d": 3}
 PLAIN_UNETS = {"unet2d_plain": 2, "unet3d_plain": 3}  # bench/unet_standalone.py, no trainer
+# Scores beside IoU and Dice in the table: instance scores, and the neuron metrics of cell.
+SCORED_EXTRAS = ("f1", "instance", "voi", "arand")
 DEFAULT_MODELS = [
     "vit_linear=train_configs/quickstart_segmentation_2d.toml",
     "vit_multiscale=train_configs/quickstart_segmentation_2d.toml --model.head multiscale",
@@ -230,12 +232,12 @@ def table(results: dict[str, tuple[int, float, dict]], classes: list[str]) -> st
             add(f"{metric} {c}", f"val/{metric}/{c}")
     add("mean iou", "val/mean_iou")
     extra = sorted({k for n in names for k in results[n][2]
-                    if k.startswith("val/") and ("f1" in k or "instance" in k)})
+                    if k.startswith("val/") and any(m in k for m in SCORED_EXTRAS)})
     for k in extra:
         add(k[4:], k)
     # Scores after post-processing (inference.min_object_nm3, fill_holes, instances), when on.
     post = sorted({k for n in names for k in results[n][2] if k.startswith("val_post/")
-                   and ("iou" in k or "f1" in k)})
+                   and any(m in k for m in ("iou", *SCORED_EXTRAS))})
     for k in post:
         add("post " + k[len("val_post/"):], k)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
