@@ -1,4 +1,4 @@
-"""Import EM (a stack of TIFF/PNG sections, one multi-page TIFF, or a 3D dataset of an HDF5 file) and its labels as a CellMap-layout dataset that training, predict.py and scoring read.
+r"""Import EM (a stack of TIFF/PNG sections, one multi-page TIFF, or a 3D dataset of an HDF5 file) and its labels as a CellMap-layout dataset that training, predict.py and scoring read.
 
     python helpers/import_stack.py --em stack/raw --labels stack/labels --out data/mine \
         --name mine --voxel_size 50,4.6,4.6 --class pm=0,32,64,96,128 --class mito=191 \
@@ -26,8 +26,9 @@ the voxel size comes from the dataset's 'resolution' attribute (z, y, x nm, as i
 unless --voxel_size is given (images carry none: give it). Labels that are object ids (neuron
 or body ids: 0 = no object) need no value map: --ids CLASS stores them as that instance class,
 renumbered 1..n per crop, and --boundary CLASS adds a 0/1 class of the voxels with a face
-neighbour (inside the crop) of another id, --boundary_width N voxels thick (N > 1: also every
-voxel within N-1 face steps of those); --unknown ids are not annotated in either class.
+neighbour (inside the crop) of another id, widened by --boundary_width N (default 1: just those
+voxels; N > 1: also every voxel within N-1 face steps of them); --unknown ids are not annotated
+in any class.
 
 Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and, e.g.,
 --data.val_crops crop2 (README: "Your own EM"). See torchtitan/datasets/image_stack.py.
@@ -89,13 +90,14 @@ def id_labels_of(args) -> IdLabels | None:
     if given:
         raise ImageStackError(
             f"--ids {args.ids} reads the labels as object ids, but {' and '.join(given)} "
-            "say which label values make up each class: give --ids (with --boundary, "
+            f"{'says' if len(given) == 1 else 'say'} which label values make up each class: give --ids (with --boundary, "
             "--unknown) for a volume of object ids, or a value map for labels whose values "
             "are classes, not both")
     if args.boundary_width is not None and args.boundary is None:
         raise ImageStackError("--boundary_width needs --boundary CLASS (e.g. --boundary pm)")
     unknown = parse_values(args.unknown, "--unknown") if args.unknown is not None else Values()
-    return IdLabels(args.ids, args.boundary, args.boundary_width or 1, unknown)
+    width = args.boundary_width if args.boundary_width is not None else 1
+    return IdLabels(args.ids, args.boundary, width, unknown)
 
 
 def main(argv=None) -> int:

@@ -66,7 +66,8 @@ def check_id_options(spec: IdLabels) -> None:
                 "mask, so name a semantic class, e.g. pm (plasma membrane)")
     if spec.width < 1:
         raise ImageStackError(f"--boundary_width {spec.width}: give 1 (the voxels next to "
-                              "another id) or more (that many voxels thick)")
+                              "another id) or N > 1 (also the voxels within N - 1 face-neighbour "
+                              "steps of those)")
 
 
 def unknown_mask(ids: np.ndarray, unknown: Values) -> np.ndarray:

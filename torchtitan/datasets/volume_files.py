@@ -108,16 +108,19 @@ def _missing(file: Path, dataset: str, what: str, f) -> ImageStackError:
     found = _listing(f)
     names = [d.split(" ")[0] for d in found]
     close = difflib.get_close_matches(dataset, names, n=1, cutoff=0.5) if dataset else []
-    hint = f"; did you mean {close[0]!r}?" if close else ""
     held = "; ".join(found) if found else "no dataset at all"
     if not dataset:
-        head = f"{what} {file}: name the dataset to read after the file name"
+        head = f"{what} {file}: name the dataset to read after the file name."
     elif dataset in f:
-        head = f"{what} {file}:{dataset} is a group, not a dataset"
+        head = f"{what} {file}:{dataset} is a group, not a dataset."
     else:
-        head = f"{what} {file}: no dataset {dataset!r}{hint}"
-    example = names[0] if names else "volumes/raw"
-    return ImageStackError(f"{head}. The file holds: {held}. Give {what} {file}:{example} "
+        head = f"{what} {file}: no dataset {dataset!r}" + (
+            f"; did you mean {close[0]!r}?" if close else ".")
+    volumes = [n for n in names if f[n].ndim == 3]
+    if what == "--em":  # EM first: 3D volumes of 8- or 16-bit greys
+        volumes.sort(key=lambda n: f[n].dtype not in (np.uint8, np.uint16))
+    example = (close or volumes or names or ["volumes/raw"])[0]
+    return ImageStackError(f"{head} The file holds: {held}. Give {what} {file}:{example} "
                            "(FILE.h5:DATASET, the path of a 3D dataset in the file)")
 
 
@@ -126,12 +129,13 @@ def _resolution(attrs) -> tuple[tuple[float, float, float] | None, str | None]:
     if "resolution" not in attrs:
         return None, None
     raw = attrs["resolution"]
+    shown = repr(raw.tolist() if isinstance(raw, np.ndarray) else raw)
     try:
         values = np.asarray(raw, dtype=float).ravel()
     except (TypeError, ValueError):
-        return None, repr(raw)
+        return None, shown
     if values.shape != (3,) or not np.all(np.isfinite(values)) or values.min() <= 0:
-        return None, repr(raw)
+        return None, shown
     return (float(values[0]), float(values[1]), float(values[2])), None
 
 
