@@ -150,6 +150,8 @@ SLOW_SUITE_CASES = (
     "test_shipped_configs.py::test_shipped_config_runs[demo_segmentation_2d]",
     "test_shipped_configs.py::test_shipped_config_runs[debug_mae_2d]",
     "test_shipped_configs.py::test_shipped_config_runs[quickstart_mae_2d]",
+    # CI trains it as shipped in test_readme_own_em_3d.py (the README's 3D commands).
+    "test_shipped_configs.py::test_shipped_config_runs[own_em_segmentation_3d]",
     "test_shipped_configs.py::test_compiled_blocks_see_a_fixed_attention_backend[sdpa-full]",
     "test_checkpointing.py::test_seed_checkpoint_gives_identical_starts",
     "test_checkpointing.py::test_model_only_final_export_and_resume_from_the_last_full_checkpoint",
