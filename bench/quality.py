@@ -83,9 +83,11 @@ class UNetModel(nn.Module):
             if hasattr(module, "reset_parameters") and module is not self:
                 module.reset_parameters()
 
-    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, output_size=None, resize: bool = True) -> torch.Tensor:
+        """Logits at the input's size; ``output_size`` resizes them unless ``resize`` is
+        False (the training loss resizes logits itself, as for the ViT's heads)."""
         logits = self.net(x)
-        if output_size is not None and tuple(logits.shape[2:]) != tuple(output_size):
+        if resize and output_size is not None and tuple(logits.shape[2:]) != tuple(output_size):
             mode = "bilinear" if x.ndim == 4 else "trilinear"
             logits = nn.functional.interpolate(logits, size=tuple(output_size), mode=mode)
         return logits

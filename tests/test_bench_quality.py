@@ -43,6 +43,20 @@ def test_plain_unet_rows_train_for_their_budget_and_reach_the_table(demo_data, t
     assert results["unet2d_plain"][0] == quality.records(out / "unet2d_plain")[0]["step"]
 
 
+@needs_monai
+@pytest.mark.distributed
+def test_in_trainer_unet_row_trains_with_the_trainers_loss(demo_data, tmp_path):
+    """The in-trainer U-Net takes the trainer's calls (the loss asks for unresized logits)."""
+    quality = script_module("bench/quality.py")
+    config = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
+              "--data.val_crops jrc_synth-2/crop7 --model.crop_size 64,64")
+    out = tmp_path / "quality"
+    quality.main(["--data", str(demo_data), "--out", str(out), "--steps", "2",
+                  "--model", f"unet2d={config}"])
+    records = quality.records(out / "unet2d")
+    assert records[-1]["step"] == 2 and 0 <= records[-1]["val/mean_iou"] <= 1
+
+
 def _volume(shape, classes=("a", "b")) -> CropVolume:
     n = int(np.prod(shape))
     image = torch.arange(n, dtype=torch.float32).reshape(1, *shape)
