@@ -3,7 +3,8 @@
     python predict.py --checkpoint RUN/checkpoint --crops all --probabilities --out PRED.zarr
     python bench/postprocess.py --predictions PRED.zarr --groundtruth DATA_ROOT \\
         [--config RUN/config.toml] [--min_object_nm3 1e5,1e6] [--fill_holes planes] \\
-        [--fill_holes_classes nuc,mito] [--neck_ratio 0.3,0.5,0.7] [--crops crop1,crop5]
+        [--fill_holes_classes nuc,mito] [--neck_ratio 0.3,0.5,0.7] [--crops crop1,crop5] \\
+        [--boundary_seed_nm 20,40,60]
     python bench/postprocess.py --timing 256     # seconds per step on a synthetic 256^3 mask
 
 Trains nothing. For every predicted crop that has ground truth and every class it annotates,
@@ -19,8 +20,12 @@ over the crops that annotate the class.
 
 Settings compared (rows ``step``): ``raw``; ``min_object=<v>`` for each ``--min_object_nm3``
 value; ``fill_holes_<mode>`` with ``--fill_holes``; ``watershed(neck=<r>)`` for each
-``--neck_ratio`` value; and ``all``: every step together with the first value of each list
-(or the run's ``[inference]`` settings with ``--config``, when they post-process at all).
+``--neck_ratio`` value; ``boundaries(seed=<nm>)`` for each ``--boundary_seed_nm`` value
+(``inference.boundary_instances``: an instance class cut by its predicted membrane class, cell
+by pm, so those rows post-process each crop's classes together, on one grid; the small-object
+size is the first ``--min_object_nm3``); and ``all``: every step together with the first value
+of each list (or the run's ``[inference]`` settings with ``--config``, when they post-process
+at all).
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="classes to fill, comma-separated (default: every class)")
     p.add_argument("--neck_ratio", type=_floats, default=[0.3, 0.5, 0.7],
                    help="watershed neck ratios, comma-separated (default 0.3,0.5,0.7)")
+    p.add_argument("--boundary_seed_nm", type=_floats, default=[],
+                   help="seed distances (nm) of neurons cut by their predicted membranes "
+                        "(inference.boundary_instances), comma-separated (default: none)")
     return p.parse_args(argv)
 
 
@@ -89,18 +97,28 @@ def settings(args) -> dict[str, PostProcessing]:
     return steps
 
 
+def boundary_settings(args) -> dict[str, PostProcessing]:
+    """The rows of ``--boundary_seed_nm``: classes post-processed together."""
+    size = args.min_object_nm3[0] if args.min_object_nm3 else 0.0
+    return {f"boundaries(seed={v:g})": PostProcessing(min_object_nm3=size, boundary_instances=True,
+                                                      boundary_seed_nm=v)
+            for v in args.boundary_seed_nm}
+
+
 def run(args) -> dict:
-    steps = settings(args)
+    steps, joint_steps = settings(args), boundary_settings(args)
     root, predicted = open_submission(args.predictions)
     wanted = [c if c.startswith("crop") else f"crop{c}" for c in args.crops.split(",")] \
         if args.crops else predicted
     truth_crops = {c.name: c for s in cellmap.discover(args.groundtruth) for c in s.crops}
-    per_crop_class, classes, seconds = [], [], {step: 0.0 for step in steps}
+    per_crop_class, per_crop, classes = [], [], []
+    seconds = {step: 0.0 for step in {**steps, **joint_steps}}
     for name in wanted:
         if name not in truth_crops or name not in predicted:
             raise UserError(f"{name}: needs a prediction in {root} and ground truth under "
                             f"{args.groundtruth} (predicted: {', '.join(predicted) or 'none'})")
         crop = truth_crops[name]
+        together: dict[str, tuple] = {}
         for cls in crop.classes:
             node = root / name / cls
             if not node.exists():
@@ -119,11 +137,33 @@ def run(args) -> dict:
                                       valid={cls: valid}))
                 seconds[step] += time.perf_counter() - t0
             per_crop_class.append(result)
+            together[cls] = (prob, truth, valid, grid)
             if cls not in classes:
                 classes.append(cls)
+        if joint_steps and together:
+            per_crop.append(_measure_together(name, together, joint_steps, seconds))
     combined = combine_steps(per_crop_class)
-    return {"combined": combined, "classes": classes, "seconds": seconds, "steps": steps,
-            "crops": wanted}
+    if per_crop:
+        combined.update(combine_steps(per_crop))
+    return {"combined": combined, "classes": classes, "seconds": seconds,
+            "steps": {**steps, **joint_steps}, "crops": wanted}
+
+
+def _measure_together(name: str, together: dict, steps: dict, seconds: dict) -> dict:
+    """One crop's classes post-processed together (the boundary rows), on their one grid."""
+    grids = {cls: g for cls, (_, _, _, g) in together.items()}
+    first = next(iter(grids.values()))
+    if any(tuple(g.shape) != tuple(first.shape) for g in grids.values()):
+        raise UserError(f"{name}: --boundary_seed_nm needs the crop's classes on one grid "
+                        f"(shapes {', '.join(f'{c} {tuple(g.shape)}' for c, g in grids.items())})")
+    result = {}
+    for step, pp in steps.items():
+        t0 = time.perf_counter()
+        result.update(measure({c: t[0] for c, t in together.items()},
+                              {c: t[1] for c, t in together.items()}, first.scale, {step: pp},
+                              valid={c: t[2] for c, t in together.items()}))
+        seconds[step] += time.perf_counter() - t0
+    return result
 
 
 def timing(side: int, repeats: int = 3) -> dict[str, float]:

@@ -385,12 +385,17 @@ def combine_steps(measured: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def format_table(combined: dict[str, dict], classes=None) -> str:
-    """A text table (Markdown) of per-class IoU, Dice, instance F1 and instance score for each
-    step of :func:`combine_steps`, with the change against ``raw``."""
+    """A text table (Markdown) of per-class IoU, Dice, instance F1 and instance score (and,
+    for the classes scored as neurons, VOI split + merge and ARAND) for each step of
+    :func:`combine_steps`, with the change against ``raw``."""
     raw = combined.get("raw", {}).get("classes", {})
     names = list(classes) if classes else sorted({c for r in combined.values() for c in r["classes"]})
-    lines = ["| class | step | IoU | Dice | instance F1 | instance score |",
-             "|---|---|---|---|---|---|"]
+    keys = ["iou", "dice", "f1", "score"]
+    header = "| class | step | IoU | Dice | instance F1 | instance score |"
+    if any("voi" in c for r in combined.values() for c in r["classes"].values()):
+        keys += ["voi", "arand"]
+        header += " VOI | ARAND |"
+    lines = [header, "|---" * (len(keys) + 2) + "|"]
 
     def cell(scores, base, key):
         value = scores.get(key)
@@ -408,10 +413,11 @@ def format_table(combined: dict[str, dict], classes=None) -> str:
                 continue
             base = raw.get(name)
             lines.append(f"| {name} | {step} | " + " | ".join(
-                cell(scores, base, k) for k in ("iou", "dice", "f1", "score")) + " |")
+                cell(scores, base, k) for k in keys) + " |")
     for step, result in combined.items():
         o = result["overall"]
         mean_iou, mean_instance = (f"{v:.3f}" if v is not None else "-"
                                    for v in (o["mean_semantic_iou"], o["mean_instance_score"]))
-        lines.append(f"| mean | {step} | {mean_iou} (semantic classes) | | | {mean_instance} |")
+        lines.append(f"| mean | {step} | {mean_iou} (semantic classes) | | | {mean_instance} |"
+                     + " |" * (len(keys) - 4))
     return "\n".join(lines)
