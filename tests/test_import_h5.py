@@ -20,7 +20,7 @@ import pytest
 import zarr
 from PIL import Image
 
-from conftest import SHARED, script_module
+from conftest import SHARED
 from torchtitan.cellmap.labels import LabelEncoding
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales
 from torchtitan.config_manager import ConfigManager
@@ -29,9 +29,7 @@ from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.datasets.id_labels import boundary_mask
 from torchtitan.datasets.volume_files import HDF5Volume
 from torchtitan.datasets.volume_source import build_source
-from torchtitan.errors import run_cli
-
-import_main = script_module("helpers/import_stack.py").main
+from test_import_stack import imported, run
 
 MEDULLA = SHARED / "data" / "medulla"
 SHAPE = (8, 12, 16)  # z, y, x
@@ -73,18 +71,6 @@ def h5(tmp_path) -> Path:
     res = {"resolution": np.array([8.0, 4.0, 4.0])}
     return write_h5(tmp_path / "sample.h5", {"volumes/raw": (synthetic_raw(), res),
                                              "volumes/labels/neuron_ids": (synthetic_ids(), res)})
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    rc = run_cli(import_main, [str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def imported(argv, capsys) -> str:
-    rc, out, err = run(argv, capsys)
-    assert rc == 0, err
-    return out
 
 
 def gt(out: Path, name: str, crop: str, cls: str):
