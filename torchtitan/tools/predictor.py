@@ -567,15 +567,17 @@ def _postprocess_masks(root, region: Region, classes: list[str], voxel_size, chu
     ids (``inference.instances``: connected components, found exactly as the scoring command
     finds them, or watershed; with ``inference.boundary_instances``, a class whose membrane
     class is predicted too is cut by that membrane's cleaned mask)."""
-    # Classes cut by a membrane class go after it, which is rewritten as cleaned first.
+    # Classes cut by a membrane class go after it; its cleaned mask is kept for them.
     membranes = {cls: post.membrane(cls, classes) for cls in classes} if instances else {}
+    kept: dict[str, np.ndarray] = {}
     for cls in sorted(classes, key=lambda c: membranes.get(c) is not None):
         mask = root[f"{region.name}/{cls}/s0"][:] > 0
         cleaned = clean_mask(mask, cls, voxel_size, post)
+        if cls in membranes.values():
+            kept[cls] = cleaned
         if instances and cls in INSTANCE_CLASSES:
             membrane = membranes[cls]
-            cut = None if membrane is None else root[f"{region.name}/{membrane}/s0"][:] > 0
-            ids, n = separate_instances(cleaned, voxel_size, post, cut)
+            ids, n = separate_instances(cleaned, voxel_size, post, kept.get(membrane))
             arr = _write_group(root, region, cls, voxel_size, "uint32", chunks)
             arr[:] = ids.astype(np.uint32)
             how = post.instances if membrane is None else f"cut by the predicted {membrane}"
