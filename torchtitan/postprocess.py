@@ -205,7 +205,7 @@ def _split_nearest(labels: np.ndarray, region: np.ndarray, sampling, seeds: np.n
     labels[todo] = labels[tuple(i[todo] for i in nearest)]
 
 
-def _flood(mask: np.ndarray, depth: np.ndarray, sampling: np.ndarray, neck_ratio: float,
+def flood_component(mask: np.ndarray, depth: np.ndarray, sampling: np.ndarray, neck_ratio: float,
            min_voxels: int) -> np.ndarray:
     """Basin labels (1..) of one connected ``mask`` by immersion of its ``depth`` map."""
     full = _full(mask.ndim)
@@ -306,7 +306,7 @@ def watershed_instances(mask, voxel_size, neck_ratio: float = 0.5,
     for c in np.flatnonzero(several):
         box = boxes[c - 1]
         own = components[box] == c
-        basins = _flood(own, depth[box], sampling, neck_ratio,
+        basins = flood_component(own, depth[box], sampling, neck_ratio,
                         min_object_voxels(min_object_nm3, sampling))
         part = ids[box]
         part[own & (basins > 1)] = basins[own & (basins > 1)] + (next_id - 2)
