@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchtitan.errors import UserError
+from torchtitan.errors import CheckpointError, UserError
 
 RDF = "rdf.yaml"
 CONFIG = "config.toml"
@@ -86,6 +86,13 @@ def is_export(path: str | Path) -> bool:
     if p.is_file():
         return p.name == RDF or p.suffix == ".zip"
     return (p / RDF).is_file() or ((p / SAFETENSORS).is_file() and (p / CONFIG).is_file())
+
+
+def refuse_as_checkpoint(path: str | Path) -> None:
+    """A :class:`CheckpointError` when an export is given where a checkpoint belongs."""
+    if is_export(path):
+        raise CheckpointError(f"{path} is an exported model, not a checkpoint: pass it with "
+                              "predict.py --model")
 
 
 def open_export(path: str | Path) -> ExportedModel:

@@ -2,12 +2,10 @@
 
 Used by ``predict.py``. The model is rebuilt from the run's ``config.toml`` and its weights
 are loaded from a DCP checkpoint (a step folder, or a run's checkpoint folder for its latest
-step) or from an exported ``.pth``; or, with ``--model``, an exported model
-(``helpers/export_model.py``: a bioimage.io package or a hub folder; :mod:`torchtitan.tools.exported`)
-brings its own ``config.toml`` and runs its state dict, TorchScript or ONNX weights
-(``--weights``) under the same sliding window. Input is read from zarr window by window and the output
-is written block by block (:func:`torchtitan.inference.predict_blockwise`), so volumes far
-larger than host or device memory work. Under ``torchrun`` the blocks are split across ranks.
+step) or from an exported ``.pth``; ``--model`` runs an export's weights with its own config
+instead (:mod:`torchtitan.tools.exported`). Input is read from zarr window by window and the
+output is written block by block (:func:`torchtitan.inference.predict_blockwise`), so volumes
+far larger than host or device memory work. Under ``torchrun`` the blocks are split across ranks.
 
 Output (OME-NGFF 0.4, zarr format 2), one multiscale group per predicted region and class::
 
@@ -149,9 +147,7 @@ def load_run_config(checkpoint: str, config: str | None):
 def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
     """Weights from an exported ``.pth`` (full model) or a DCP checkpoint, strictly."""
     path = Path(checkpoint)
-    if exported.is_export(path):
-        raise CheckpointError(f"{path} is an exported model, not a checkpoint: pass it with "
-                              "predict.py --model")
+    exported.refuse_as_checkpoint(path)
     if path.suffix == ".pth":
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} does not exist")
