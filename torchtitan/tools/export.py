@@ -222,6 +222,11 @@ def write_onnx(model: TrainedModel, path: Path, opset: int) -> None:
     """The network as ONNX at ``opset`` (the TorchScript-based exporter; batch size free). An
     operator the opset cannot express is an :class:`ExportError` naming it."""
     try:
+        import onnx  # noqa: F401  (the exporter needs it; say so before it fails)
+    except ImportError:
+        raise ExportError("ONNX weights need the onnx package: pip install onnx (or leave them "
+                          "out: --no-onnx)") from None
+    try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notes
             torch.onnx.export(model.network, (example_input(model),), str(path), dynamo=False,
