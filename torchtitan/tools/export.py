@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import tomli_w
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.checkpoint_reading import resolve_step_folder
@@ -121,7 +122,7 @@ def load_trained(checkpoint: str, config: str | None) -> tuple[object, torch.nn.
         load_weights(network, checkpoint)
     except UserError:
         raise
-    except Exception as e:  # a corrupt DCP file: DCP and pickle raise almost anything
+    except (Exception, CheckpointException) as e:  # corrupt: DCP and pickle raise anything
         raise ExportError(f"--checkpoint {step_path} cannot be read ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:300]}); export an earlier step (step-N "
                           "folder) or copy the checkpoint again") from None
