@@ -90,7 +90,7 @@ def probabilities(tmp: Path, tag: str, *args: str) -> dict[str, np.ndarray]:
 def test_predict_from_each_export_equals_the_checkpoint(name, exports, tmp_path):
     dump, export = exports[name]
     reference = probabilities(tmp_path, "checkpoint", "--checkpoint", str(dump / "checkpoint"))
-    sources = [("bioimageio", w) for w in TOLERANCE] + [("bioimageio.zip", "torchscript")]
+    sources = [("bioimageio", w) for w in TOLERANCE]  # the zip: tests/test_readme_export.py
     if name in PACKAGED:
         sources.append(("hub", "state_dict"))
     for folder, weights in sources:
