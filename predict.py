@@ -9,6 +9,8 @@
         --out pred.zarr --tta --planes zyx       # every crop of a manifest, no labels
     python predict.py --checkpoint outputs/run/checkpoint --manifest test_crop_manifest.csv \
         --out pred.zarr --instances --submission submission.zarr   # + the challenge's layout
+    python predict.py --model exported/run/bioimageio --weights onnx --data data/demo \
+        --crops all --out pred.zarr              # an exported model (helpers/export_model.py)
 
 ``--manifest`` takes a CSV with the columns crop_name, dataset, origin_z/y/x (nm, outer corner
 of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm), or the challenge's test-crop
@@ -39,8 +41,15 @@ PYRAMID_LEVELS = (lambda v: 0 <= v <= 64, "must be 0 (automatic) or a number of 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="DCP step folder, a run's checkpoint folder (latest step), or a .pth")
+    weights = p.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint",
+                         help="DCP step folder, a run's checkpoint folder (latest step), or a .pth")
+    weights.add_argument("--model", help="an exported model (helpers/export_model.py): a "
+                                         "bioimage.io package folder, its rdf.yaml or .zip, or "
+                                         "a hub folder; its config.toml is the run's")
+    p.add_argument("--weights", choices=("state_dict", "torchscript", "onnx"), default=None,
+                   help="with --model: which of its weights run (default state_dict; onnx "
+                        "needs onnxruntime)")
     p.add_argument("--config", help="the run's config.toml (default: found beside the checkpoint)")
     p.add_argument("--data", help="data root (default: the run's data.dataset_path)")
     p.add_argument("--crops", help="predict label crops: 'all' or names (crop3,jrc_x/crop4)")
@@ -74,7 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_block_mb", type=flag_type(type=float, check=POSITIVE), default=1024,
                    help="memory for one output block's buffers, MiB (default 1024)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.weights and not args.model:
+        p.error("--weights chooses the weights of an exported --model")
+    if args.model:  # the export stands where a checkpoint would (its config, the output's record)
+        args.checkpoint = args.model
+    return args
 
 
 def main(argv=None) -> int:

@@ -62,7 +62,9 @@ def rope_apply(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
     """
     if sin.dim() == 3:  # per-sample positions: broadcast over heads
         sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)
-    if sin.requires_grad or cos.requires_grad:  # learned angles: let autograd differentiate
+    # Learned angles: let autograd differentiate. Tracing (TorchScript and ONNX export) takes
+    # the same plain form: a graph cannot hold a Python autograd Function.
+    if sin.requires_grad or cos.requires_grad or torch.jit.is_tracing():
         return _rotate(x, sin, cos, transpose=False, inplace=False)
     return _RopeRotation.apply(x, sin, cos)
 

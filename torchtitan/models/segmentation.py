@@ -243,9 +243,10 @@ class UpConvHead(nn.Module):
         oneDNN's and cuDNN's convolutions compute in: no reorder of every activation to and
         from their layout; on the CPU the head's forward and backward take 0.73-0.78x the time,
         ``bench/model_step.py --head-layouts``; in 2D the same took 1.05x, so 2D keeps the
-        default layout); the logits come back in the default layout."""
+        default layout); the logits come back in the default layout. A traced graph (TorchScript
+        and ONNX export) keeps the default layout: ONNX has no memory formats."""
         layout = torch.contiguous_format
-        if self.ndim in self.CHANNELS_LAST_NDIMS:
+        if self.ndim in self.CHANNELS_LAST_NDIMS and not torch.jit.is_tracing():
             layout = torch.channels_last_3d if self.ndim == 3 else torch.channels_last
         x = torch.cat(features, dim=1).contiguous(memory_format=layout)
         x = self.proj(self.dropout(x))

@@ -2,9 +2,10 @@
 
 Used by ``predict.py``. The model is rebuilt from the run's ``config.toml`` and its weights
 are loaded from a DCP checkpoint (a step folder, or a run's checkpoint folder for its latest
-step) or from an exported ``.pth``. Input is read from zarr window by window and the output
-is written block by block (:func:`torchtitan.inference.predict_blockwise`), so volumes far
-larger than host or device memory work. Under ``torchrun`` the blocks are split across ranks.
+step) or from an exported ``.pth``; ``--model`` runs an export's weights with its own config
+instead (:mod:`torchtitan.tools.exported`). Input is read from zarr window by window and the
+output is written block by block (:func:`torchtitan.inference.predict_blockwise`), so volumes
+far larger than host or device memory work. Under ``torchrun`` the blocks are split across ranks.
 
 Output (OME-NGFF 0.4, zarr format 2), one multiscale group per predicted region and class::
 
@@ -99,6 +100,7 @@ from torchtitan.inference import VolumePredictor, block_shape_for_budget, resolv
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.postprocess import PostProcessing, clean_mask, separate_instances
+from torchtitan.tools import exported
 from torchtitan.tools.prediction_store import (
     COMPLETE_ATTR,
     OWNER_ATTR,
@@ -123,8 +125,11 @@ class Region:
 
 
 def load_run_config(checkpoint: str, config: str | None):
-    """The run's JobConfig: ``config`` or the ``config.toml`` of the checkpoint's run."""
+    """The run's JobConfig: ``config``, the ``config.toml`` of the checkpoint's run, or the one
+    an exported model (``predict.py --model``) holds."""
     path = Path(config) if config else None
+    if path is None and exported.is_export(checkpoint):
+        path = exported.open_export(checkpoint).config
     if path is None:
         ckpt = Path(checkpoint)
         for parent in (ckpt.parent, ckpt.parent.parent, ckpt.parent.parent.parent):
@@ -142,6 +147,7 @@ def load_run_config(checkpoint: str, config: str | None):
 def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
     """Weights from an exported ``.pth`` (full model) or a DCP checkpoint, strictly."""
     path = Path(checkpoint)
+    exported.refuse_as_checkpoint(path)
     if path.suffix == ".pth":
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} does not exist")
@@ -431,10 +437,14 @@ def build_predictor(args, cfg, tta: bool, planes: str, world: int) -> VolumePred
         init_process_group(device, cfg.comm.init_timeout_seconds)
     from torchtitan.tasks import SegmentationTask
 
-    model = SegmentationTask(cfg).build_model()
-    use_attention(model, resolve_attention_backend(cfg.model.attention, device))
-    load_weights(model, args.checkpoint)
-    model.to(device).eval()
+    if getattr(args, "model", None):  # an export: its weights as the model's logits
+        model = exported.exported_predict_module(exported.open_export(args.model), cfg,
+                                                 args.weights or "state_dict", device)
+    else:
+        model = SegmentationTask(cfg).build_model()
+        use_attention(model, resolve_attention_backend(cfg.model.attention, device))
+        load_weights(model, args.checkpoint)
+        model.to(device).eval()
     return VolumePredictor.from_config(model, cfg, device, tta_flips=tta, planes=planes,
                                        batch_size=args.batch_size,
                                        bf16=device.type == "cuda", inference_mode=True)
