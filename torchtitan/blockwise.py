@@ -41,7 +41,6 @@ Floor 3: numpy, scipy, cc3d, scikit-image and zarr; uses :mod:`torchtitan.postpr
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -61,8 +60,6 @@ from torchtitan.postprocess import (
     flood_component,
     min_object_voxels,
 )
-
-logger = logging.getLogger(__name__)
 
 WORK = "_work"  # scratch group of a region
 POST = "_post"  # a class's post-processed array, before it replaces s0
