@@ -11,6 +11,10 @@
         --out pred.zarr --instances --submission submission.zarr   # + the challenge's layout
     python predict.py --model exported/run/bioimageio --weights onnx --data data/demo \
         --crops all --out pred.zarr              # an exported model (helpers/export_model.py)
+    python predict.py --checkpoint run/checkpoint --dataset jrc_hela-2 --out hela2.zarr \
+        --instances --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT   # one job of many
+    python predict.py --checkpoint run/checkpoint --dataset jrc_hela-2 --out hela2.zarr \
+        --instances --finish                     # the last step, when the shards are done
 
 ``--manifest`` takes a CSV with the columns crop_name, dataset, origin_z/y/x (nm, outer corner
 of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm), or the challenge's test-crop
@@ -20,6 +24,14 @@ submission layout (every test crop and class on the crop's own grid; SUB.zip for
 checks it with the submission linter (torchtitan/tools/submission.py).
 ``--tta`` averages over the flips of each window and ``--planes zyx`` makes a 2D model predict
 yx, zx and zy planes and average them; both override the run's ``[inference]`` settings.
+
+``--shard I/N`` predicts every N-th block of the requested regions, starting at block I, into
+the same ``--out`` (jobs of a SLURM array, one after another or together); the shard that
+finds every block written runs the last step (post-processing and instances across the
+blocks, pyramids, completion markers, ``--submission``), or ``--finish`` does. A job that is
+stopped is simply run again: it resumes at the blocks it had not written. Regions already
+finished in ``--out`` are kept (``--overwrite`` predicts them again), so crops and regions can
+be added to a store one command at a time.
 
 The run's ``config.toml`` (found next to the checkpoint, or given with --config) rebuilds the
 model; the output is OME-NGFF zarr that napari and neuroglancer open (multiscale pyramids of
@@ -37,6 +49,18 @@ from torchtitan.logging_metrics import report_user_error, setup_logging
 # OME-NGFF levels s0.. of each output group: 0 = automatic; a pyramid halves each level, so
 # more levels than a 64-bit volume's sides can halve are a mistake.
 PYRAMID_LEVELS = (lambda v: 0 <= v <= 64, "must be 0 (automatic) or a number of levels in [1, 64]")
+
+
+def shard_type(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N."""
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs 0 <= I < N (shards are counted from "
+                                         "0, as SLURM_ARRAY_TASK_ID is with --array=0-N)")
+    return i, n
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,8 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output zarr (created or updated)")
     p.add_argument("--overwrite", action="store_true",
                    help="predict regions again that --out already holds finished (default: "
-                        "refuse; unfinished regions of an interrupted run are redone anyway). "
+                        "keep them; unfinished regions of an interrupted run resume anyway). "
                         "Only stores predict.py wrote are ever written into")
+    jobs = p.add_mutually_exclusive_group()
+    jobs.add_argument("--shard", type=shard_type, metavar="I/N",
+                      help="predict only shard I of N (0 <= I < N) of the blocks, e.g. "
+                           "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT; the shard that finds "
+                           "every block written runs the last step")
+    jobs.add_argument("--finish", action="store_true",
+                      help="only the last step (post-processing, instances, pyramids, "
+                           "completion, --submission) of blocks that shards have written")
     p.add_argument("--probabilities", action="store_true", help="write float32 probabilities")
     p.add_argument("--threshold", type=flag_type("inference.threshold"), default=None,
                    help="mask threshold (default: the run's inference.threshold)")
@@ -84,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="memory for one output block's buffers, MiB (default 1024)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
+    if args.overwrite and (args.shard or args.finish):
+        p.error("--overwrite cannot be used with --shard or --finish: each shard would start the "
+                "others' regions again; predict into a new --out instead")
     if args.weights and not args.model:
         p.error("--weights chooses the weights of an exported --model")
     if args.model:  # the export stands where a checkpoint would (its config, the output's record)

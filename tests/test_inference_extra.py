@@ -259,7 +259,7 @@ HEADER = ("crop_name,dataset,origin_z,origin_y,origin_x,shape_z,shape_y,shape_x,
 
 
 def test_read_manifest(tmp_path):
-    from torchtitan.tools.predictor import covering_grid, read_manifest
+    from torchtitan.tools.prediction_regions import covering_grid, read_manifest
 
     path = tmp_path / "m.csv"
     path.write_text(HEADER + ",class_label\n"

@@ -389,6 +389,16 @@ def _block_starts(size: int, block: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + block, size)) for lo in range(0, size, block)]
 
 
+def block_window(window: tuple[int, ...], planes: str = "z") -> tuple[int, int, int]:
+    """The extent of the windows along each axis over every tiling (a 2D window on the
+    ``planes``' planes): blocks that are multiples of it leave few windows straddling two
+    blocks (predicted twice)."""
+    w = tuple(window)
+    if len(w) == 3:
+        return w  # type: ignore[return-value]
+    return (w[0], max(w), w[1]) if planes == "zyx" else (1, *w)
+
+
 def block_shape_for_budget(shape: tuple[int, int, int], window: tuple[int, int, int],
                            num_outputs: int, max_block_bytes: float) -> tuple[int, int, int]:
     """The largest block (a multiple of the window along y and x) whose float32 output and
@@ -412,7 +422,8 @@ def predict_blockwise(predict: Predict,
                       block_shape: tuple[int, int, int] | None = None,
                       rank: int = 0, world_size: int = 1, progress=None,
                       tta_flips: bool = False, planes: str = "z",
-                      voxel_size: Sequence[float] | None = None) -> int:
+                      voxel_size: Sequence[float] | None = None,
+                      indices: Sequence[int] | None = None) -> int:
     """Predict a (D, H, W) volume that need not fit in memory, one output block at a time.
 
     Windows lie on one global grid (the grid :func:`predict_volume` uses for the whole
@@ -421,16 +432,18 @@ def predict_blockwise(predict: Predict,
     (C, *window) tensor; the region may extend past the volume, to be padded or filled with
     context by the reader), and hands the finished block to ``write_block(lo, hi, values)``.
     With ``planes="zyx"`` each block is predicted by the three tilings in turn and averaged.
-    Blocks are dealt out round-robin to ``world_size`` ranks. Returns the number of blocks
-    this rank wrote.
+    Blocks are numbered in raster order (the last axis fastest); ``indices`` names the blocks
+    to predict, by default those dealt out round-robin to this rank of ``world_size``. Returns
+    the number of blocks this rank wrote.
     """
     shape = tuple(int(s) for s in shape)
     tilings = _tilings(predict, window, shape, overlap, blend, tta_flips, planes, voxel_size)
     blocks = list(product(*[_block_starts(s, b) for s, b in zip(shape, block_shape or shape)]))
+    if indices is None:
+        indices = range(rank, len(blocks), world_size)
     done = 0
-    for index, block in enumerate(blocks):
-        if index % world_size != rank:
-            continue
+    for index in indices:
+        block = blocks[index]
         lo = tuple(b[0] for b in block)
         hi = tuple(b[1] for b in block)
         write_block(lo, hi, _predict_block_all(tilings, read_input, lo, hi, num_outputs, batch_size))
@@ -503,19 +516,16 @@ class VolumePredictor:
 
     def predict_blockwise(self, read_input, write_block, shape: tuple[int, int, int],
                           block_shape: tuple[int, int, int], rank: int = 0, world_size: int = 1,
-                          progress=None) -> int:
+                          progress=None, indices=None) -> int:
         """A volume read and written block by block (see :func:`predict_blockwise`)."""
         return predict_blockwise(self, read_input, write_block, shape, self.window,
                                  self.num_outputs, block_shape=block_shape, rank=rank,
-                                 world_size=world_size, progress=progress, **self._plan())
+                                 world_size=world_size, progress=progress, indices=indices,
+                                 **self._plan())
 
     def block_window(self) -> tuple[int, int, int]:
-        """The extent of the windows along each axis over every tiling: blocks that are
-        multiples of it leave few windows straddling two blocks (predicted twice)."""
-        w = self.window
-        if len(w) == 3:
-            return w
-        return (w[0], max(w), w[1]) if self.planes == "zyx" else (1, *w)
+        """:func:`block_window` of this predictor's window and planes."""
+        return block_window(self.window, self.planes)
 
     def forward_count(self, shape: tuple[int, ...]) -> int:
         """How many forwards :meth:`predict_volume` runs for a (D, H, W) volume."""
