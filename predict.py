@@ -126,9 +126,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def bound_malloc_arenas(arenas: int = 2) -> None:
+    """Let glibc's malloc keep at most ``arenas`` arenas. By default every thread that
+    allocates may get an arena of its own (up to 8 per core), and memory freed in one is rarely
+    given back: with zarr's decoding threads a long prediction's resident memory creeps up by
+    hundreds of MiB over what its blocks need (BENCHMARKS.md, "Prediction at any size").
+    Elsewhere than glibc, nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None) -> int:
     import os
 
+    bound_malloc_arenas()
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank)
     args = parse_args(argv)

@@ -1,6 +1,7 @@
-"""predict.py output lifecycle, with real runs: a completion marker per finished region, a clear
-error instead of overwriting a finished output (unless --overwrite), and an interrupted output
-resumed (finished regions kept, an unfinished one predicted again from its start)."""
+"""predict.py output lifecycle, with real runs: a completion marker per finished region;
+finished regions kept when asked for again (an error when asked for with other settings, unless
+--overwrite); an interrupted output resumed (finished regions kept, an unfinished one from the
+blocks it had not written, or from its start when it has no record of them)."""
 
 from __future__ import annotations
 
@@ -42,28 +43,43 @@ def test_marker_refusal_resume_and_overwrite(seed_run, demo_data, tmp_path):
     root = zarr.open_group(str(out), mode="r")
     reference = {cls: root[f"crop2/{cls}/s0"][:] for cls in CLASSES}
 
-    # A finished output is not overwritten: one clear message, exit 2, nothing touched.
+    # A finished output asked for again is kept: nothing is touched.
+    crop1_before = (out / "crop1" / "mito" / "s0").stat().st_mtime_ns
     r = predict(seed_run, demo_data, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "crop1 is finished: kept" in r.stderr and "crop2 is finished: kept" in r.stderr
+    assert (out / "crop1" / "mito" / "s0").stat().st_mtime_ns == crop1_before
+    # ... but not with other settings: one clear message, exit 2.
+    r = predict(seed_run, demo_data, out, "--threshold", "0.3")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "already holds the finished prediction of crop1, crop2; pass --overwrite" in r.stderr
+    assert ("holds crop1 finished, predicted with other settings (inference.threshold: 0.5 -> "
+            "0.3); pass --overwrite") in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("error:") == 1
 
-    # Interrupted in crop2: its marker is missing and its blocks are partly garbage.
+    # Interrupted in crop2: its marker is missing, its blocks are partly garbage and there is no
+    # record of which were written (they are removed with the working folders when a region
+    # is finished).
     attrs = json.loads((out / "crop2" / ".zattrs").read_text())
     del attrs["prediction_complete"]
     (out / "crop2" / ".zattrs").write_text(json.dumps(attrs))
     zarr.open_array(str(out / "crop2" / "mito" / "s0"), mode="r+")[:] = 7
-    crop1_before = (out / "crop1" / "mito" / "s0").stat().st_mtime_ns
     r = predict(seed_run, demo_data, out)
     assert r.returncode == 0, r.stderr[-3000:]
     log = r.stdout + r.stderr
-    assert "keeping the finished region(s) crop1; predicting crop2" in log
-    assert "crop2 is unfinished (no completion marker): predicting it again from its start" in log
+    assert "crop1 is finished: kept" in log and "1 block(s) of 1 region(s) to predict" in log
     assert marker(out, "crop2")
     root = zarr.open_group(str(out), mode="r")
     for cls in CLASSES:
         np.testing.assert_array_equal(root[f"crop2/{cls}/s0"][:], reference[cls])
     assert (out / "crop1" / "mito" / "s0").stat().st_mtime_ns == crop1_before  # not redone
+
+    # Cut short before its plan was stored: predicted again from its start.
+    attrs = json.loads((out / "crop2" / ".zattrs").read_text())
+    del attrs["prediction_complete"], attrs["prediction_plan"]
+    (out / "crop2" / ".zattrs").write_text(json.dumps(attrs))
+    r = predict(seed_run, demo_data, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "crop2 is without a plan (cut short): predicting it again from its start" in r.stderr
 
     # --overwrite predicts a finished output again.
     r = predict(seed_run, demo_data, out, "--overwrite")

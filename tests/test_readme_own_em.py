@@ -30,15 +30,17 @@ SECTION = "## Your own EM"
 REDUCED = {"--training.steps": "2"}
 
 
-def section_commands(section: str = SECTION) -> list[tuple[str, list[str]]]:
+def section_commands(section: str = SECTION, every_block: bool = False
+                     ) -> list[tuple[str, list[str]]]:
     """(as written, argv) of each command of the first shell block after the heading
-    ``section``, up to the next section."""
+    ``section`` (of every one with ``every_block``, in order), up to the next section."""
     text = (REPO / "README.md").read_text()
     start = text.index(section)
     end = text.find("\n## ", start + len(section))
-    lang, _, body = next(b for b in fenced_blocks(text[start:end]) if b[0] == "bash")
+    blocks = [b[2] for b in fenced_blocks(text[start:end]) if b[0] == "bash"]
+    lines = [line for body in (blocks if every_block else blocks[:1]) for line in body]
     commands, parts = [], []
-    for line in body:
+    for line in lines:
         if line.strip().startswith("#") and not parts:
             continue
         if line.rstrip().endswith("\\"):

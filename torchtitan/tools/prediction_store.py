@@ -184,16 +184,27 @@ def remove_scratch(out: str, name: str) -> None:
 
 @contextmanager
 def store_lock(out: str):
-    """Hold the store's lock (an advisory ``lockf`` lock on ``<out>/.lock``, which NFS honours
-    too) while regions are created or reset, so that shards started together create each
-    region once."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    with open(Path(out) / LOCK, "a") as f:
+    """Hold the store's lock (an advisory ``lockf`` lock, which NFS honours too, on
+    ``<out>/.lock``) while regions are created or reset, so that shards started together create
+    each region once. The file is removed on release (zarr takes any file in a store for a
+    broken node): a job that locked a file removed meanwhile locks the new one instead."""
+    path = Path(out) / LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = open(path, "a")
         fcntl.lockf(f, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.lockf(f, fcntl.LOCK_UN)
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        fcntl.lockf(f, fcntl.LOCK_UN)
+        f.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +262,7 @@ def prepare_region(root, out: str, region: Region, plan: dict, redo: bool,
     stored = stored_plan(out, region.name)
     changed = plan_changes(stored, plan, GRID_KEYS) if stored else None
     if changed == [] and not redo:
+        (Path(out) / region.name / BLOCKS).mkdir(exist_ok=True)
         done = len(done_blocks(out, region.name))
         if done:
             logger.info("%s/%s: resuming, %d of %d blocks are written", out, region.name, done,
