@@ -302,7 +302,7 @@ def downsample_mode(block: np.ndarray, step=(2, 2, 2)) -> np.ndarray:
     if mixed.size:
         sub = np.sort(cells[mixed], axis=1)
         # Run lengths in each sorted row: the longest run is the mode, the first (smallest) wins.
-        counts = (sub[:, :, None] == sub[:, None, :]).sum(axis=2)
+        counts = (sub[:, :, None] == sub[:, None, :]).sum(axis=2, dtype=np.int16)
         out[mixed] = sub[np.arange(sub.shape[0]), np.argmax(counts, axis=1)]
     return out.reshape(nz, ny, nx)
 

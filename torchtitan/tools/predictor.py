@@ -369,8 +369,8 @@ def job_blocks(job: Job, args, requested: list[Region], todo: list[Region],
 
 def predict_blocks(job: Job, args, cfg, settings: InferenceSettings, requested: list[Region],
                    todo: list[Region], plans: dict) -> None:
-    """Predict this rank's share of the job's blocks (the model is built only where some
-    are left)."""
+    """Predict this rank's share of the job's blocks. The model is built when the job has
+    blocks left, on every rank (loading a DCP checkpoint is collective)."""
     remaining = job_blocks(job, args, requested, todo, plans)
     mine = remaining[job.rank::job.world]
     if job.rank == 0:
@@ -381,7 +381,7 @@ def predict_blocks(job: Job, args, cfg, settings: InferenceSettings, requested: 
         shard = f"shard {job.shard}/{job.shards}: " if job.sharded else ""
         logger.info("%s%d block(s) of %d region(s) to predict", shard, len(remaining),
                     len({r.name for r, _ in remaining}))
-    if not mine:
+    if not remaining:
         return
     predictor = build_predictor(args, cfg, settings)
     if job.rank == 0:
@@ -477,7 +477,7 @@ def finish_region(job: Job, args, region: Region, plan: dict, post: PostProcessi
                     f"cut by the predicted {post.membrane(cls, classes)}"
                 logger.info("%s/%s: %d instances (%s)", region.name, cls, n, how)
     for cls in classes[job.rank::job.world]:  # viewer levels from the finished s0
-        write_class_pyramid(group[cls], args.pyramid_levels, v)
+        write_class_pyramid(group[cls], args.pyramid_levels, v, plan["block"])
     job.barrier()
     if job.rank == 0:
         group.attrs[COMPLETE_ATTR] = True
@@ -485,15 +485,17 @@ def finish_region(job: Job, args, region: Region, plan: dict, post: PostProcessi
     job.barrier()
 
 
-def write_class_pyramid(group, levels: int, voxel_size) -> None:
+def write_class_pyramid(group, levels: int, voxel_size, block) -> None:
     """Levels s1.. of a class group (:func:`write_pyramid`: the mean of probabilities, the
     mode of masks and ids), halving the finer axes of anisotropic voxels first
-    (:func:`pyramid_steps`: thin sections keep their z until y and x approach it)."""
+    (:func:`pyramid_steps`: thin sections keep their z until y and x approach it), reading at
+    most a prediction ``block`` of the finer level at a time."""
     shape = group["s0"].shape
     wanted = levels or auto_pyramid_levels(shape)
     steps = pyramid_steps(voxel_size, shape, coarsest_side=1, max_levels=wanted)
+    most = max(int(np.prod(VIEW_CHUNKS)), int(np.prod(block)) // 8)
     write_pyramid(group, len(steps) + 1, "mode" if group["s0"].dtype.kind in "iub" else "mean",
-                  steps=steps)
+                  steps=steps, max_block_voxels=most)
 
 
 # ---------------------------------------------------------------------------------------------
