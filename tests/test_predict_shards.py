@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import REPO, _env, launch
+from conftest import REPO, _env, launch, script_module
 from torchtitan.tools.prediction_store import BLOCKS, claim_finishing, release_finishing
 
 CLASSES = ("nuc", "mito", "er", "cell")
@@ -150,12 +150,13 @@ def test_one_job_at_a_time_claims_the_last_step(tmp_path):
     assert claim_finishing(str(tmp_path))["host"] == "elsewhere"
 
 
-def test_bad_shard_arguments_are_refused(seg2d_four_steps, demo_data, tmp_path):
-    out = tmp_path / "pred.zarr"
+def test_bad_shard_arguments_are_refused(capsys):
+    predict = script_module("predict.py")
     for extra, message in ((["--shard", "3/3"], "needs 0 <= I < N"),
                            (["--shard", "1-3"], "expected I/N"),
                            (["--shard", "0/2", "--finish"], "not allowed with argument"),
                            (["--shard", "0/2", "--overwrite"], "--overwrite cannot be used")):
-        r, log = predict(seg2d_four_steps, demo_data, out, *REGION, *extra)
-        assert r.returncode == 2 and message in log, (extra, log[-2000:])
-        assert not out.exists()
+        with pytest.raises(SystemExit) as exit_:
+            predict.parse_args(["--checkpoint", "run/checkpoint", "--out", "pred.zarr", *extra])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, extra
+    assert predict.parse_args(["--checkpoint", "c", "--out", "o", "--shard", "2/4"]).shard == (2, 4)
