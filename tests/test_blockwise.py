@@ -182,6 +182,28 @@ def test_neurons_with_a_short_halo_nearly_equal(tmp_path):
     assert (differ & membrane).sum() >= 0.9 * differ.sum()
 
 
+def test_a_part_with_several_seeds_is_flooded_on_its_box(tmp_path):
+    """Two balls joined by a neck too thin for a seed, inside a membrane: one part of the
+    interior with two seeds, across many blocks. With a halo of one voxel, far shorter than
+    the way from the neck to either ball, the part is still split as the whole region splits
+    it (flooded on its box), and so is every part with one seed."""
+    shape = (24, 40, 64)
+    z, y, x = np.ogrid[:shape[0], :shape[1], :shape[2]]
+    balls = ((z - 12) ** 2 + (y - 20) ** 2 + (x - 14) ** 2 <= 81) | \
+            ((z - 12) ** 2 + (y - 20) ** 2 + (x - 50) ** 2 <= 81)
+    neck = ((z - 12) ** 2 + (y - 20) ** 2 <= 1) & (x > 14) & (x < 50)
+    dumbbell = balls | neck
+    membrane = ndi.binary_dilation(dumbbell) & ~dumbbell
+    masks = {"pm": membrane, "cell": np.ones(shape, bool)}
+    post = PostProcessing(boundary_instances=True, boundary_seed_nm=16.0)
+    group = region_store(tmp_path, masks)
+    postprocess_region(group, ["pm", "cell"], VOXEL, post, True, BLOCK, halo_nm=8.0)
+    got, expected = group["cell/s0"][:], postprocess(masks, VOXEL, post)["cell"]
+    assert len(np.unique(expected[dumbbell])) == 2  # the neck is shared out between the balls
+    interior = ~membrane
+    np.testing.assert_array_equal(got[interior], expected[interior])
+
+
 def test_killed_run_is_run_again(tmp_path):
     """A run killed while replacing s0 (renamed away) or before: running again gives the same."""
     masks = {"mito": blobs(5), "er": blobs(6)}

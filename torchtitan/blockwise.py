@@ -25,10 +25,13 @@ on a region that fits in memory (``tests/test_blockwise.py``):
   largest object's box.
 * **Neurons cut by their membrane** (``boundary_instances``): the seeds (interior voxels farther
   than ``boundary_seed_nm`` from the membrane) are found per block with a halo of
-  ``boundary_seed_nm`` (exact) and labelled across blocks (exact, the same numbering); the
-  flooding of the distance map from the seeds runs per block with a halo of ``halo_nm``, which
-  equals the whole-region flood where every voxel's flooding path stays inside its block's
-  halo: on regions smaller than the halo always, elsewhere nearly everywhere (measured in
+  ``boundary_seed_nm`` and labelled across blocks (exact, the same numbering); each part of
+  the interior (face-connected, between membranes) that holds one seed is that neuron, and a
+  part with several is flooded from them on its box (exact: the whole-region flood fills a
+  part from its own seeds before it crosses a membrane); the membrane voxels, the parts
+  without a seed and the parts too large for a box are flooded per block with a halo of
+  ``halo_nm``, which equals the whole-region flood on regions of one block or within the halo
+  and differs on a few percent of the voxels of real EM elsewhere (:func:`boundary_ids`;
   BENCHMARKS.md, "Prediction at any size").
 
 Scratch data lives in ``<region>/_work`` (zarr arrays of ids, one chunk per block, and small
@@ -452,11 +455,29 @@ def watershed_split(objects: Components, mask: MaskReader, blocks: Blocks, voxel
 def boundary_ids(inside: MaskReader, boundary: MaskReader, name: str, blocks: Blocks,
                  voxel_size, pp: PostProcessing, ranks: Ranks, work,
                  halo_nm: float = DEFAULT_HALO_NM) -> Callable:
-    """:func:`torchtitan.neurons.boundary_instances` block by block: exact seeds (a halo of
-    ``boundary_seed_nm``) labelled across blocks, flooded per block with a halo of ``halo_nm``;
-    returns ``ids(lo, hi)`` for the blocks of ``blocks`` (whole blocks only)."""
-    from skimage.segmentation import watershed
+    """:func:`torchtitan.neurons.boundary_instances` block by block; returns ``ids(lo, hi)``
+    for the blocks of ``blocks`` (whole blocks only).
 
+    The whole-region flood grows the seeds down the distance map, deepest voxels first, so a
+    face-connected part of the interior is flooded from the seeds inside it before the flood
+    crosses any boundary voxel (distance 0, the last to go). Hence, exactly:
+
+    * the seeds (interior farther than ``boundary_seed_nm`` from a boundary) are found per
+      block with a halo of that distance and labelled across blocks;
+    * a part of the interior with one seed is that seed's neuron, whole;
+    * a part with several seeds is flooded from them alone, on its box (object by object,
+      round-robin over the ranks), where the distance map is exact; a part whose box is over
+      ``8 x`` a block's voxels is flooded from its seeds per block instead, with a halo of
+      ``halo_nm`` (exact where each voxel's flooding path stays in the halo);
+    * the boundary voxels and the parts without a seed, which the whole-region flood reaches
+      across a boundary in an order set by the whole region, are flooded per block with a halo
+      of ``halo_nm`` from the seeds: which of two neighbours a boundary voxel between them, or
+      a part without a seed, goes to may differ from the whole-region result.
+
+    With a region of one block, or a halo as large as the region, the result is the
+    whole-region one; measured on real EM with shorter halos in BENCHMARKS.md ("Prediction at
+    any size").
+    """
     sampling = np.asarray(voxel_size, float)
     seed_halo = int(np.ceil(pp.boundary_seed_nm / sampling.min())) + 1
     min_voxels = int(np.ceil(pp.min_object_nm3 / float(np.prod(sampling))))
@@ -481,17 +502,98 @@ def boundary_ids(inside: MaskReader, boundary: MaskReader, name: str, blocks: Bl
                             if min_voxels > 1 else None)
     if seeds.count == 0:  # no interior deep enough anywhere: the components of the mask
         return components_ids(inside, name, blocks, ranks, work).ids
+    parts = label_blockwise(interior, blocks, ranks, work, f"{name}.parts", "faces", boxes=True)
+    owner = _seed_of_part(parts, seeds, blocks, ranks, work, name)
+    known = _flood_parts(parts, seeds, owner, interior, blocks, sampling, ranks, work, name)
     halo = int(np.ceil(halo_nm / sampling.min()))
 
     def ids(lo, hi):
+        from skimage.segmentation import watershed
+
         olo = tuple(max(0, l - halo) for l in lo)
         ohi = tuple(min(s, h + halo) for h, s in zip(hi, blocks.shape))
         m = inside(olo, ohi)
-        distance = ndi.distance_transform_edt(m & ~boundary(olo, ohi), sampling=sampling)
-        flooded = watershed(-distance, markers=seeds.ids(olo, ohi).astype(np.int32), mask=m)
+        inner = m & ~boundary(olo, ohi)
+        distance = ndi.distance_transform_edt(inner, sampling=sampling)
+        markers = seeds.ids(olo, ohi).astype(np.int32)
+        flooded = watershed(-distance, markers=markers, mask=m)  # boundaries, unseeded parts
+        within = watershed(-distance, markers=markers, mask=inner)  # each part from its seeds
+        exact = known(olo, ohi)
+        left = inner & (exact == 0) & (within > 0)  # parts with seeds over the box budget
+        flooded[left] = within[left]
+        flooded[exact > 0] = exact[exact > 0]
         return flooded[_inner((olo, ohi), (lo, hi))].astype(np.uint32)
 
     return ids
+
+
+def _seed_of_part(parts: Components, seeds: Components, blocks: Blocks, ranks: Ranks, work,
+                  name: str) -> np.ndarray:
+    """Entry ``p``: the seed id of interior part ``p`` when it holds one seed, 0 when it holds
+    none and -1 when it holds several (entry 0: the background)."""
+    tables = _fresh_tables(work, f"{name}.owners", ranks)
+    for k in ranks.mine(len(blocks)):
+        lo, hi = blocks.box(k)
+        part, seed = parts.ids(lo, hi), seeds.ids(lo, hi)
+        on = seed > 0
+        np.save(tables / f"pairs{k}.npy",
+                np.unique(np.stack([part[on], seed[on]], axis=1), axis=0).astype(np.int64))
+    ranks.barrier()
+    if ranks.rank == 0:
+        pairs = np.unique(np.concatenate([np.load(tables / f"pairs{k}.npy")
+                                          for k in range(len(blocks))]), axis=0)
+        count = np.bincount(pairs[:, 0], minlength=parts.count + 1)
+        owner = np.zeros(parts.count + 1, np.int64)
+        owner[pairs[:, 0]] = pairs[:, 1]
+        owner[count > 1] = -1
+        np.save(tables / "owner.npy", owner)
+    ranks.barrier()
+    return np.load(tables / "owner.npy")
+
+
+def _flood_parts(parts: Components, seeds: Components, owner: np.ndarray, interior: MaskReader,
+                 blocks: Blocks, sampling, ranks: Ranks, work, name: str) -> Callable:
+    """Flood each interior part that holds several seeds from them alone, on the part's box
+    grown by two voxels (the distance of each of its voxels to the nearest boundary lies in
+    it); returns ``known(lo, hi)``: the neuron of every voxel of a part with seeds (0
+    elsewhere, and in a part whose box is over 8 blocks: it is left to the per-block flood)."""
+    from skimage.segmentation import watershed
+
+    tables = _fresh_tables(work, f"{name}.floods", ranks)
+    most = 8 * int(np.prod(blocks.block))
+    several = np.flatnonzero(owner < 0)
+    for j in ranks.mine(len(several)):
+        p = int(several[j])
+        lo = tuple(max(0, int(v) - 2) for v in parts.lo[p - 1])
+        hi = tuple(min(s, int(v) + 2) for v, s in zip(parts.hi[p - 1], blocks.shape))
+        if np.prod([h - l for l, h in zip(lo, hi)]) > most:
+            continue
+        own = parts.ids(lo, hi) == p
+        distance = ndi.distance_transform_edt(interior(lo, hi), sampling=sampling)
+        markers = np.where(own, seeds.ids(lo, hi), 0).astype(np.int32)
+        flooded = watershed(-distance, markers=markers, mask=own)
+        np.savez(tables / f"part{p}.npz", lo=np.asarray(lo), ids=flooded.astype(np.uint32))
+    ranks.barrier()
+    flooded_parts = {int(f.stem[4:]): f for f in tables.glob("part*.npz")}
+    single = np.where(owner > 0, owner, 0).astype(np.uint32)
+
+    def known(lo, hi):
+        part = parts.ids(lo, hi)
+        out = single[part]
+        for p, path in flooded_parts.items():
+            plo, phi = parts.lo[p - 1], parts.hi[p - 1]
+            a, b = np.maximum(lo, plo), np.minimum(hi, phi)
+            if np.any(a >= b):
+                continue
+            with np.load(path) as t:
+                box_lo, values = t["lo"], t["ids"]
+            here = _sl(a - np.asarray(lo), b - np.asarray(lo))
+            there = values[_sl(a - box_lo, b - box_lo)]
+            mine = part[here] == p
+            out[here][mine] = there[mine]
+        return out
+
+    return known
 
 
 # ---------------------------------------------------------------------------------------------
