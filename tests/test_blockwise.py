@@ -16,12 +16,8 @@ import pytest
 import scipy.ndimage as ndi
 import zarr
 
-from torchtitan.blockwise import (
-    Blocks,
-    Ranks,
-    label_blockwise,
-    postprocess_region,
-)
+from torchtitan.blockwise import postprocess_region
+from torchtitan.blockwise_labels import Blocks, Ranks, label_blockwise
 from torchtitan.postprocess import PostProcessing, postprocess
 
 SHAPE = (37, 45, 51)

@@ -185,6 +185,7 @@ FLOORS = {
     f"{PACKAGE}.neuron_metrics": 3,  # VOI and adapted Rand error (beside evaluation)
     f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances (beside evaluation)
     f"{PACKAGE}.blockwise": 3,  # post-processing of stored regions block by block
+    f"{PACKAGE}.blockwise_labels": 3,  # components of a mask across blocks (for blockwise)
     f"{PACKAGE}.neurons": 3,  # instances cut apart by predicted membranes (beside postprocess)
     f"{PACKAGE}.scoring": 3,  # scoring prediction stores (python -m torchtitan.evaluation)
     f"{PACKAGE}.parallelisms": 4,

@@ -77,7 +77,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.blockwise import Blocks, postprocess_region
+from torchtitan.blockwise import postprocess_region
+from torchtitan.blockwise_labels import Blocks
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.cellmap.ome_ngff import (
     VIEW_CHUNKS,
