@@ -192,6 +192,10 @@ class LRScheduler:
     min_lr_factor: float = opt(
         0.0, "Final LR as a fraction of optimizer.lr.", check=FRACTION
     )
+    backbone_frozen_steps: int = opt(
+        0, "Segmentation fine-tuning: the backbone's LR is 0 for this many first steps (the "
+        "head learns on the frozen, e.g. MAE-pretrained, encoder), then ramps up linearly over "
+        "training.warmup_steps into the schedule; 0 = off.", min=0)
 
 
 @dataclass
