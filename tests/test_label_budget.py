@@ -128,6 +128,11 @@ def test_held_out_crops_leaving_no_room_for_training_stop_at_once(stack):
         build_source(cfg(stack, "--data.val_crops", "crop9"), labels=False)
 
 
+def test_mae_on_slices_holds_out_no_crops(stack):
+    with pytest.raises(DatasetError, match="slices dataset.*leave data.val_crops empty"):
+        build_source(cfg(stack, "--data.dataset_name", "some/slices"), labels=False)
+
+
 def test_loader_logs_the_limited_labels(stack, caplog):
     with caplog.at_level("INFO"):
         _, train, _ = load_segmentation_data(cfg(stack, "--data.train_label_fraction", "0.5"))

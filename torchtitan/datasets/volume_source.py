@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 class VolumeSource(Protocol):
     """The data of a run, whatever holds it. Built with ``labels=False`` (MAE) a source has
-    no crops: only :meth:`mae_dataset` serves."""
+    no training crops: only :meth:`mae_dataset` serves, and ``val_crops`` are the crops whose
+    EM it holds out."""
 
     val_crops: list  # the held-out label crops (LabelCrop or SliceCrop), in a fixed order
 
