@@ -36,7 +36,19 @@ initialisations).
 Pretraining: ``--pretrain NAME=CONFIG [FLAGS]`` runs an MAE pretraining (``train_mae.py``) once,
 before the models; a model named ``MODEL@NAME`` starts from its encoder (loaded into the
 backbone, as ``./run_demo.sh`` does), so ``vit`` and ``vit@mae`` with the same config compare
-scratch and MAE initialisation. The pretraining's wall time is reported beside the table.
+scratch and MAE initialisation. The pretraining's wall time and its final validation (the
+reconstruction loss on held-out EM, and that of the trivial reconstruction) are reported
+beside the table. Flags of a spec win over the benchmark's own ``--data.dataset_path``, so a
+pretraining may read other EM than the models.
+
+Label efficiency: ``--label-fractions 1/16,1/8,1/4,1`` trains every model (and seed) once per
+fraction of the training labels (``--data.train_label_fraction``: that share of each training
+crop's sections, in its middle), prints a table per fraction and one of mean IoU against the
+fraction (seed by seed, and the gain of each ``MODEL@PRETRAIN`` over ``MODEL``), and draws the
+latter (``label_efficiency.png`` in ``--out``: one line per model). ``--equal-time`` adds, at
+the smallest fraction, each scratch ``MODEL`` trained for its steps plus the steps that its
+pretrained twin's pretraining time would have bought it (from the median step time of its own
+runs): the comparison at equal total time, pretraining included.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -113,8 +126,9 @@ def unet_task():
 
 # --------------------------------------------------------------------------- the runs
 def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
-           entry_script: str = "train_segmentation.py") -> float:
-    """Train one model with torchrun; returns the wall time in seconds."""
+           entry_script: str = "train_segmentation.py", data: Path | None = None) -> float:
+    """Train one model with torchrun; returns the wall time in seconds. ``data`` is the
+    dataset unless the spec's flags name another."""
     config, *extra = shlex.split(spec)
     kind = name.split("@")[0]
     if kind in UNETS:
@@ -122,8 +136,9 @@ def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
         extra += ["--model.ndim", str(UNETS[kind])]
     else:
         entry = [str(REPO / entry_script)]
+    default = ["--data.dataset_path", str(data)] if data is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(nproc), *entry, "--job.config_file", config, *extra, *argv]
+           str(nproc), *entry, "--job.config_file", config, *default, *extra, *argv]
     return run_logged(name, cmd, log)
 
 
@@ -145,23 +160,30 @@ def records(dump: Path) -> list[dict]:
 def calibrate(name, spec, data, out, nproc, steps) -> float:
     """Median seconds per training step after the first log interval."""
     dump = out / f"{name}_calibrate"
-    launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
+    launch(name, spec, ["--job.dump_folder", str(dump),
                         "--training.steps", str(steps), "--metrics.log_freq", "2",
                         "--metrics.eval_freq", "0", "--no-checkpoint.enable_checkpoint",
                         "--no-metrics.progress_bar", "--training.warmup_steps", "0"],
-           nproc, out / f"{name}_calibrate.log")
-    times = [r["step_time_s"] for r in records(dump) if "step_time_s" in r and r["step"] > 2]
-    return statistics.median(times)
+           nproc, out / f"{name}_calibrate.log", data=data)
+    return step_time(dump)
 
 
-def pretrain(name, spec, data, out, nproc) -> tuple[Path, float]:
-    """One MAE pretraining (its config's steps); returns its checkpoint folder and wall time."""
+def step_time(dump: Path) -> float:
+    """Median seconds per training step of a run, after its first two steps (of all of them
+    in a shorter run)."""
+    times = {r["step"]: r["step_time_s"] for r in records(dump) if "step_time_s" in r}
+    return statistics.median([t for s, t in times.items() if s > 2] or times.values())
+
+
+def pretrain(name, spec, data, out, nproc) -> tuple[Path, float, dict]:
+    """One MAE pretraining (its config's steps); returns its checkpoint folder, wall time and
+    final validation scores."""
     dump = out / f"pretrain_{name}"
-    wall = launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
-                               "--metrics.eval_freq", "0", "--no-metrics.progress_bar",
-                               "--checkpoint.enable_checkpoint"],
-                  nproc, out / f"pretrain_{name}.log", entry_script="train_mae.py")
-    return dump / "checkpoint", wall
+    wall = launch(name, spec, ["--job.dump_folder", str(dump), "--metrics.eval_freq", "0",
+                               "--no-metrics.progress_bar", "--checkpoint.enable_checkpoint"],
+                  nproc, out / f"pretrain_{name}.log", entry_script="train_mae.py", data=data)
+    scores = [r for r in records(dump) if "val/reconstruction_loss" in r]
+    return dump / "checkpoint", wall, scores[-1] if scores else {}
 
 
 def init_flags(name: str, pretrained: dict[str, Path]) -> list[str]:
@@ -178,11 +200,11 @@ def init_flags(name: str, pretrained: dict[str, Path]) -> list[str]:
 
 def train(name, spec, data, out, nproc, steps, extra=()) -> tuple[float, dict]:
     dump = out / name
-    wall = launch(name, spec, ["--data.dataset_path", str(data), "--job.dump_folder", str(dump),
+    wall = launch(name, spec, ["--job.dump_folder", str(dump),
                                "--training.steps", str(steps), "--metrics.eval_freq", "0",
                                "--no-checkpoint.enable_checkpoint", "--no-metrics.progress_bar",
                                *extra],
-                  nproc, out / f"{name}.log")
+                  nproc, out / f"{name}.log", data=data)
     scores = {}
     for r in records(dump):
         if any(k.startswith("val/") for k in r):
@@ -248,6 +270,179 @@ def table(results: dict[str, tuple[int, float, dict]], classes: list[str]) -> st
     return "\n".join(lines)
 
 
+def parse_fractions(text: str) -> list[Fraction | None]:
+    """``1/16,1/4,1`` -> fractions in (0, 1], ascending; empty -> [None] (every label, no
+    flag)."""
+    if not text.strip():
+        return [None]
+    fractions = sorted({Fraction(x.strip()) for x in text.split(",") if x.strip()})
+    if not all(0 < f <= 1 for f in fractions):
+        raise SystemExit(f"--label-fractions {text!r}: each must be in (0, 1], e.g. 1/16,1/4,1")
+    return fractions
+
+
+def fraction_tag(fraction: Fraction | None) -> str:
+    """The part of a run name that says its label fraction (folder-safe)."""
+    return "" if fraction is None else f"_f{fraction.numerator}-{fraction.denominator}"
+
+
+def run_models(args, models: dict[str, str], pretrained: dict[str, Path], seeds: list[int],
+               fraction: Fraction | None, steps: int = 0) -> tuple[dict, list[str]]:
+    """Every model (each seed) at one label fraction, for ``steps`` steps (default: as
+    ``args`` say); returns {run: (steps, wall, scores)}, with a ``MODEL mean`` entry per
+    model when there are several seeds, and the classes."""
+    results, classes = {}, []
+    limit = [] if fraction is None else ["--data.train_label_fraction", str(float(fraction))]
+    for name, spec in models.items():
+        flags = init_flags(name, pretrained)
+        plain = PLAIN_UNETS.get(name.split("@")[0])  # its ndim
+        if plain and (flags or limit):
+            raise SystemExit(f"model {name!r}: a plain U-Net trains from scratch on every label")
+        if steps or args.steps or plain:
+            step_s, steps = math.nan, steps or args.steps
+        else:
+            step_s = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
+            steps = max(1, int(args.budget / step_s))
+        runs = seed_runs(name + fraction_tag(fraction), seeds)
+        for run, seed_flags in runs:
+            if plain:
+                steps, wall, scores = train_plain(run, plain, spec, args.data, args.out,
+                                                  args.budget, args.steps, seed_flags)
+            else:
+                wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
+                                     [*flags, *limit, *seed_flags])
+            results[run] = (steps, wall, scores)
+            classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
+            timed = "" if math.isnan(step_s) else f"{step_s:.3f} s/step -> "
+            print(f"{run}: {timed}{steps} steps, {wall:.0f} s, mean IoU "
+                  f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
+        if len(seeds) > 1:
+            results[f"{name + fraction_tag(fraction)} mean"] = seed_mean(
+                [results[r] for r, _ in runs])
+    return results, classes
+
+
+def equal_time_runs(args, models, pretrained, walls, seeds, fraction,
+                    results) -> tuple[list[str], dict]:
+    """At ``fraction``: each scratch MODEL whose ``MODEL@P`` is benchmarked too, trained (as
+    ``MODEL+Ptime``) for its steps plus ``P``'s pretraining wall time at its own median step
+    time. Returns those names and their runs."""
+    names, out = [], {}
+    for name in models:
+        base, _, source = name.partition("@")
+        if not source or base not in models:
+            continue
+        runs = [r for r, _ in seed_runs(base + fraction_tag(fraction), seeds)]
+        step_s = statistics.median(step_time(args.out / r) for r in runs)
+        steps = results[runs[0]][0] + round(walls[source] / step_s)
+        timed = f"{base}+{source}time"
+        print(f"{timed}: {walls[source]:.0f} s of pretraining at {step_s:.3f} s/step -> "
+              f"{steps} steps", flush=True)
+        out.update(run_models(args, {timed: models[base]}, pretrained, seeds, fraction,
+                              steps)[0])
+        names.append(timed)
+    return names, out
+
+
+def mean_iou(results: dict, run: str) -> float:
+    return results[run][2].get("val/mean_iou", math.nan)
+
+
+def label_efficiency(names, seeds, fractions, results) -> dict[str, dict]:
+    """{model: {fraction: {"mean": mean IoU over seeds, "seeds": [...], "steps": n}}} of the
+    fractions at which each model ran."""
+    summary: dict[str, dict] = {}
+    for name in names:
+        for fraction in fractions:
+            runs = [r for r, _ in seed_runs(name + fraction_tag(fraction), seeds)]
+            if not all(r in results for r in runs):
+                continue
+            values = [mean_iou(results, r) for r in runs]
+            summary.setdefault(name, {})[fraction] = {
+                "mean": statistics.fmean(values), "seeds": values, "steps": results[runs[0]][0]}
+    return summary
+
+
+def label_efficiency_table(summary: dict[str, dict], fractions) -> str:
+    """Rows: fractions; per model its mean IoU (seeds), and each MODEL@P's gain over MODEL."""
+    names = list(summary)
+    gains = [n for n in names if "@" in n and n.split("@")[0] in summary]
+    head = ["labels", *names, *(f"{n} - {n.split('@')[0]}" for n in gains)]
+    rows = [head]
+    for fraction in fractions:
+        row = [str(fraction)]
+        for n in names:
+            cell = summary[n].get(fraction)
+            row.append("" if cell is None else
+                       f"{cell['mean']:.3f} ({', '.join(f'{v:.3f}' for v in cell['seeds'])}; "
+                       f"{cell['steps']} steps)")
+        for n in gains:
+            a, b = summary[n].get(fraction), summary[n.split("@")[0]].get(fraction)
+            row.append("" if a is None or b is None else f"{a['mean'] - b['mean']:+.3f}")
+        rows.append(row)
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("---" for _ in head) + "|")
+    return "\n".join(lines)
+
+
+PLOT_COLOURS = [(230, 120, 40), (60, 130, 220), (80, 180, 90), (200, 70, 160), (150, 150, 150),
+                (220, 200, 60)]
+
+
+def plot_label_efficiency(summary: dict[str, dict], fractions, out: Path) -> Path:
+    """``out/label_efficiency.png``: mean IoU against the fraction of labels (log2 axis), one
+    line per model through its seed means, each seed a dot; a model run at one fraction only
+    (equal time) is a ring."""
+    from PIL import Image, ImageDraw
+
+    from torchtitan.tools.drawing import default_font
+
+    width, height, left, right, top, bottom = 720, 440, 60, 200, 30, 50
+    font = default_font(13)
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    xs = [math.log2(f) for f in fractions]
+    values = [v for s in summary.values() for c in s.values() for v in (c["mean"], *c["seeds"])]
+    finite = [v for v in values if math.isfinite(v)] or [0.0, 1.0]
+    lo, hi = math.floor(min(finite) * 10) / 10, math.ceil(max(finite) * 10) / 10
+    hi = hi if hi > lo else lo + 0.1
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        span = (max(xs) - min(xs)) or 1.0
+        return (left + (x - min(xs)) / span * (width - left - right),
+                height - bottom - (y - lo) / (hi - lo) * (height - top - bottom))
+
+    draw.rectangle([left, top, width - right, height - bottom], outline=(90, 90, 90))
+    for k in range(int(round((hi - lo) * 10)) + 1):
+        y = lo + k / 10
+        _, py = at(min(xs), y)
+        draw.line([left, py, width - right, py], fill=(225, 225, 225))
+        draw.text((left - 40, py - 7), f"{y:.1f}", fill="black", font=font)
+    for f, x in zip(fractions, xs):
+        px, _ = at(x, lo)
+        draw.text((px - 12, height - bottom + 8), str(f), fill="black", font=font)
+    draw.text((left, height - 22), "fraction of the training labels", fill="black", font=font)
+    draw.text((left, 8), "mean IoU on the validation crop", fill="black", font=font)
+    for k, (name, cells) in enumerate(summary.items()):
+        colour = PLOT_COLOURS[k % len(PLOT_COLOURS)]
+        points = [(at(math.log2(f), c["mean"]), c) for f, c in sorted(cells.items())]
+        if len(points) > 1:
+            draw.line([p for p, _ in points], fill=colour, width=3)
+        for (px, py), c in points:
+            for v in c["seeds"]:
+                _, sy = at(0, v)
+                draw.ellipse([px - 3, sy - 3, px + 3, sy + 3], fill=colour)
+            r = 6
+            draw.ellipse([px - r, py - r, px + r, py + r], outline=colour, width=2,
+                         fill=colour if len(points) > 1 else None)
+        ly = top + 10 + 22 * k
+        draw.line([width - right + 15, ly + 7, width - right + 40, ly + 7], fill=colour, width=3)
+        draw.text((width - right + 46, ly), name, fill="black", font=font)
+    path = out / "label_efficiency.png"
+    img.save(path)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo",
@@ -269,48 +464,57 @@ def main(argv=None) -> int:
                              "unet3d trains MONAI's BasicUNet with that config in our trainer, "
                              "unet2d_plain or unet3d_plain in a plain loop "
                              "(bench/unet_standalone.py)")
+    parser.add_argument("--label-fractions", default="", metavar="F,F,...",
+                        help="fractions of the training labels (e.g. 1/16,1/8,1/4,1): every "
+                             "model trains once per fraction; a table and a plot of mean IoU "
+                             "against the fraction (default: all labels)")
+    parser.add_argument("--equal-time", action="store_true",
+                        help="at the smallest fraction, also train each scratch MODEL of a "
+                             "MODEL@PRETRAIN pair for its pretrained twin's total time")
     args = parser.parse_args(argv)
     models = dict(m.split("=", 1) for m in (args.model or DEFAULT_MODELS))
+    fractions = parse_fractions(args.label_fractions)
+    if args.equal_time and not args.steps:
+        raise SystemExit("--equal-time compares at equal fine-tuning steps first: give --steps")
     if not args.data.exists():
         subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
                         str(args.data)], check=True)
     args.out.mkdir(parents=True, exist_ok=True)
     pretrained: dict[str, Path] = {}
+    walls, pretraining = {}, {}
     for item in args.pretrain:
         pname, pspec = item.split("=", 1)
-        pretrained[pname], wall = pretrain(pname, pspec, args.data, args.out, args.nproc)
-        print(f"pretraining {pname}: {wall:.0f} s", flush=True)
+        pretrained[pname], walls[pname], scores = pretrain(pname, pspec, args.data, args.out,
+                                                           args.nproc)
+        pretraining[pname] = {"wall_s": walls[pname], **scores}
+        print(f"pretraining {pname}: {walls[pname]:.0f} s, held-out reconstruction loss "
+              f"{scores.get('val/reconstruction_loss', math.nan):.4f} (trivial "
+              f"{scores.get('val/baseline_loss', math.nan):.4f})", flush=True)
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    results = {}
-    classes: list[str] = []
-    for name, spec in models.items():
-        flags = init_flags(name, pretrained)
-        plain = PLAIN_UNETS.get(name.split("@")[0])  # its ndim
-        if plain and flags:
-            raise SystemExit(f"model {name!r}: a plain U-Net trains from scratch only")
-        if args.steps or plain:
-            step_time, steps = math.nan, args.steps
-        else:
-            step_time = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
-            steps = max(1, int(args.budget / step_time))
-        for run, seed_flags in seed_runs(name, seeds):
-            if plain:
-                steps, wall, scores = train_plain(run, plain, spec, args.data, args.out,
-                                                  args.budget, args.steps, seed_flags)
-            else:
-                wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
-                                     [*flags, *seed_flags])
-            results[run] = (steps, wall, scores)
-            classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
-            timed = "" if math.isnan(step_time) else f"{step_time:.3f} s/step -> "
-            print(f"{run}: {timed}{steps} steps, {wall:.0f} s, mean IoU "
-                  f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
-        if len(seeds) > 1:
-            results[f"{name} mean"] = seed_mean([results[r] for r, _ in seed_runs(name, seeds)])
+    results, by_fraction, classes = {}, {}, []
+    for fraction in fractions:
+        by_fraction[fraction], classes = run_models(args, models, pretrained, seeds, fraction)
+        results.update(by_fraction[fraction])
+    timed_names, timed = (equal_time_runs(args, models, pretrained, walls, seeds, fractions[0],
+                                          by_fraction[fractions[0]])
+                          if args.equal_time else ([], {}))
+    results.update(timed)
     basis = f"{args.steps} steps" if args.steps else f"budget {args.budget:.0f} s"
-    print(f"\n{basis} per model, data {args.data}, {args.nproc} processes\n")
-    print(table(results, classes))
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    for fraction in fractions:
+        rows = {**by_fraction[fraction], **(timed if fraction == fractions[0] else {})}
+        label = "" if fraction is None else f", labels {fraction}"
+        print(f"\n{basis} per model{label}, data {args.data}, {args.nproc} processes\n")
+        print(table(rows, classes))
+    summary = {}
+    if fractions != [None]:
+        summary = label_efficiency([*models, *timed_names], seeds, fractions, results)
+        print("\nmean IoU against the fraction of training labels\n")
+        print(label_efficiency_table(summary, fractions))
+        print(f"\nplot: {plot_label_efficiency(summary, fractions, args.out)}")
+    (args.out / "results.json").write_text(json.dumps(
+        {"runs": results, "pretraining": pretraining,
+         "label_efficiency": {k: {str(f): v for f, v in s.items()} for k, s in summary.items()}},
+        indent=1))
     return 0
 
 

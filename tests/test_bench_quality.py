@@ -39,8 +39,55 @@ def test_plain_unet_rows_train_for_their_budget_and_reach_the_table(demo_data, t
         assert record["train_time_s"] <= record["wall_time_s"]
         assert any(k.startswith("val/iou/") for k in record)
         assert f"{name} " in printed.split("| steps")[0], printed  # a column of the table
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())["runs"]
     assert results["unet2d_plain"][0] == quality.records(out / "unet2d_plain")[0]["step"]
+
+
+@pytest.mark.distributed
+def test_label_fractions_pretraining_and_equal_time(demo_data, tmp_path, capsys):
+    """Every model at every label fraction, MAE-initialised beside scratch, the equal-time
+    row at the smallest fraction, the summary table and the plot."""
+    import tomllib
+
+    from PIL import Image
+
+    quality = script_module("bench/quality.py")
+    seg = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
+           "--data.val_crops jrc_synth-2/crop7 --model.crop_size 32,32 --data.classes mito")
+    out = tmp_path / "quality"
+    quality.main(["--data", str(demo_data), "--out", str(out), "--steps", "2", "--nproc", "1",
+                  "--label-fractions", "1/4,1", "--equal-time",
+                  "--pretrain", "mae=train_configs/debug_mae_2d.toml --training.steps 2 "
+                                "--training.batch_size 2 --model.crop_size 32,32 "
+                                "--data.val_crops jrc_synth-2/crop7",
+                  "--model", f"vit={seg}", "--model", f"vit@mae={seg}"])
+    printed = capsys.readouterr().out
+    saved = json.loads((out / "results.json").read_text())
+    runs = saved["runs"]
+    assert set(runs) == {"vit_f1-4", "vit@mae_f1-4", "vit_f1-1", "vit@mae_f1-1",
+                         "vit+maetime_f1-4"}
+    # The fraction reaches the run's config; the pretrained runs load the MAE's encoder.
+    config = tomllib.loads((out / "vit@mae_f1-4" / "config.toml").read_text())
+    assert config["data"]["train_label_fraction"] == 0.25
+    assert config["checkpoint"]["initial_load_path"].endswith("pretrain_mae/checkpoint")
+    # Equal time: the scratch model trains on for the pretraining's wall time.
+    assert runs["vit+maetime_f1-4"][0] > runs["vit_f1-4"][0] == 2
+    assert 0 < saved["pretraining"]["mae"]["val/reconstruction_loss"]
+    summary = saved["label_efficiency"]
+    assert set(summary) == {"vit", "vit@mae", "vit+maetime"}
+    assert set(summary["vit"]) == {"1/4", "1"} and set(summary["vit+maetime"]) == {"1/4"}
+    assert "| labels | vit | vit@mae | vit+maetime | vit@mae - vit |" in printed
+    with Image.open(out / "label_efficiency.png") as png:
+        assert png.size == (720, 440)
+
+
+def test_label_fraction_values_are_checked():
+    quality = script_module("bench/quality.py")
+    assert quality.parse_fractions("1, 1/16,0.25") == [quality.Fraction(1, 16),
+                                                       quality.Fraction(1, 4), 1]
+    assert quality.parse_fractions("") == [None]
+    with pytest.raises(SystemExit, match="in \\(0, 1\\]"):
+        quality.parse_fractions("0,1/2")
 
 
 @needs_monai

@@ -61,6 +61,47 @@ def test_layer_decay_scales_the_lr_by_depth():
     assert lr5[first] / lr5[head] == pytest.approx(0.5**blocks)
 
 
+def test_backbone_frozen_steps_hold_the_backbone_then_thaw_it():
+    """The backbone's groups learn nothing for the first steps, then ramp up over the warmup
+    into the schedule; the head follows the schedule from the first step."""
+    torch.manual_seed(0)
+    model = _model()
+    cfg = _cfg("--lr_scheduler.backbone_frozen_steps", "3", "--training.warmup_steps", "2",
+               "--training.steps", "10", "--lr_scheduler.decay_type", "constant")
+    opt = build_optimizer(model, cfg)
+    sched = build_lr_scheduler(opt, cfg, model)
+    named = dict(model.named_parameters())
+    backbone = [p for n, p in named.items() if n.startswith("backbone.")]
+    # Groups hold the backbone or the rest, never both; the head's come first (logged LR).
+    ids = {id(p) for p in backbone}
+    kinds = [{id(p) in ids for p in g["params"]} for g in opt.param_groups]
+    assert all(len(k) == 1 for k in kinds) and kinds[0] == {False}
+    head, block = named["head.classifier.weight"], named["backbone.blocks.0.attn.qkv.weight"]
+    x = torch.randn(2, 1, 32, 32)
+    seen = []
+    for step in range(5):
+        before = block.detach().clone(), head.detach().clone()
+        seen.append((_lr_of(opt)[id(head)], _lr_of(opt)[id(block)]))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        assert torch.equal(block, before[0]) == (step < 3), step
+        assert not torch.equal(head, before[1]), step
+    # head: warmup 0.5, 1, then constant; backbone: 0 for 3 steps, then 0.5 and 1 of that.
+    expected = [(5e-4, 0), (1e-3, 0), (1e-3, 0), (1e-3, 5e-4), (1e-3, 1e-3)]
+    assert [v for pair in seen for v in pair] == pytest.approx([v for e in expected for v in e])
+
+
+def test_without_frozen_steps_the_groups_are_as_before():
+    model = _model()
+    plain = build_optimizer(model, _cfg())
+    kept = build_optimizer(model, _cfg("--lr_scheduler.backbone_frozen_steps", "0"))
+    assert len(plain.param_groups) == len(kept.param_groups) == 2
+    with pytest.raises(ValueError, match="needs the model"):
+        build_lr_scheduler(plain, _cfg("--lr_scheduler.backbone_frozen_steps", "2"))
+
+
 def test_layer_depth_of_mae_and_segmentation_names():
     assert layer_depth("encoder.patch_embed.proj.weight", 4) == 0
     assert layer_depth("encoder.blocks.2.mlp.fc1.weight", 4) == 3

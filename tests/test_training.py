@@ -111,21 +111,46 @@ def test_resume_continues_after_the_last_checkpoint(fsdp_run, demo_data, tmp_pat
     assert first[1] == pytest.approx(again[1], rel=1e-6)
 
 
+def _model_weights(step_folder, tmp_path):
+    """A DCP checkpoint's model weights, by model key."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{step_folder.parent.parent.name}.pt"
+    dcp_to_torch_save(step_folder, out)
+    return torch.load(out, weights_only=False)["model"]
+
+
 def test_mae_then_segmentation_from_the_encoder(demo_data, tmp_path):
+    """MAE with held-out crops (validation loss and pictures on them), then fine-tuning from
+    its encoder with the backbone frozen for the first step."""
     mae = tmp_path / "mae"
-    _ok(launch("train_mae.py", ["--job.config_file", MAE2D, "--data.dataset_path", str(demo_data),
-                                "--job.dump_folder", str(mae), "--training.steps", "3",
-                                "--no-metrics.progress_bar"]))
+    result = launch("train_mae.py", ["--job.config_file", MAE2D, "--data.dataset_path",
+                                     str(demo_data), "--job.dump_folder", str(mae),
+                                     "--training.steps", "3", "--data.val_crops", "crop2,crop7",
+                                     "--no-metrics.progress_bar"])
+    _ok(result)
+    assert "held out for validation: jrc_synth-1/crop2, jrc_synth-2/crop7" in result.stderr
     records = read_jsonl(mae / "logs" / "metrics.jsonl")
-    assert any("val/reconstruction_loss" in r for r in records)
+    (val,) = [r for r in records if "val/reconstruction_loss" in r]
+    assert 0 < val["val/reconstruction_loss"] and 0 < val["val/baseline_loss"]
     assert (mae / "checkpoint" / "step-3" / ".metadata").is_file()
+    from PIL import Image
+
+    with Image.open(mae / "visuals" / "mae_step3.png") as png:  # 4 samples, one row each
+        assert png.height > 3 * png.width // 3 and png.width > 3 * 64
     seg = tmp_path / "seg"
     result = launch("train_segmentation.py", _seg_args(
         demo_data, seg, "--training.steps", "1",
         "--checkpoint.initial_load_path", str(mae / "checkpoint"),
-        "--checkpoint.initial_load_prefix_map", "encoder.=backbone."))
+        "--checkpoint.initial_load_prefix_map", "encoder.=backbone.",
+        "--lr_scheduler.backbone_frozen_steps", "1"))
     _ok(result)
     assert "loaded" in result.stdout + result.stderr and "step-3" in result.stdout + result.stderr
+    encoder = _model_weights(mae / "checkpoint" / "step-3", tmp_path)
+    tuned = _model_weights(seg / "checkpoint" / "step-1", tmp_path)
+    for key in ("blocks.0.attn.qkv.weight", "patch_embed.proj.weight", "norm.weight"):
+        assert tuned[f"backbone.{key}"].equal(encoder[f"encoder.{key}"]), key  # frozen
 
 
 @pytest.mark.slow  # single-process 2D and 3D runs in CI: test_parity's references

@@ -262,15 +262,20 @@ def test_mae_visuals_write_a_png_and_a_tensorboard_image(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
     from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 
-    img = torch.randn(1, 32, 32)
+    img = torch.randn(3, 1, 32, 32)  # three samples: three rows
     masked = img.clone()
-    masked[:, :16, :16] = float("nan")
+    masked[:, :, :16, :16] = float("nan")
     writer = SummaryWriter(str(tmp_path / "logs"))
     path = write_mae_visuals(tmp_path / "visuals", 7, img, masked, img * 0.9, writer=writer)
     writer.close()
     assert path == tmp_path / "visuals" / "mae_step7.png"
+    row = mae_frame(img[0], masked[0], img[0] * 0.9, title="step 7")
     with Image.open(path) as png:
-        assert png.size == mae_frame(img, masked, img * 0.9, title="step 7").size
+        assert png.size == (row.width, 3 * row.height)
+        # Each row is that sample's frame.
+        third = png.crop((0, 2 * row.height, row.width, 3 * row.height))
+        expected = mae_frame(img[2], masked[2], img[2] * 0.9, title="step 7, validation sample 3")
+        assert np.array_equal(np.asarray(third.convert("RGB")), np.asarray(expected))
     events = EventAccumulator(str(tmp_path / "logs"), size_guidance={IMAGES: 0})
     events.Reload()
     (image,) = events.Images("visuals/mae")
@@ -291,9 +296,11 @@ def test_mae_frame_2d_3d_and_masked_patches():
     assert frame.width == 3 * 32 * 8 + 4 * GAP  # ceil(256 / 32) = 8
     pixels = np.asarray(frame)
     top = frame.height - GAP - 32 * 8  # the panels sit at the bottom (no legend)
-    masked_panel = pixels[top:, 2 * GAP + 256:2 * GAP + 512]
+    masked_panel = pixels[top:, GAP:GAP + 256]  # first: what the model saw
     patch = masked_panel[:128, :128]
     assert set(np.unique(patch)) <= {30, 55}  # the dark checkerboard
+    original = pixels[top:, 3 * GAP + 512:3 * GAP + 768]  # last: the input itself
+    assert len(np.unique(original[:128, :128])) > 2
     vol = mae_frame(torch.randn(1, 5, 16, 16), torch.randn(1, 5, 16, 16), torch.randn(1, 5, 16, 16))
     assert vol.width == 3 * 16 * 16 + 4 * GAP
     with pytest.raises(ValueError, match="shapes differ"):

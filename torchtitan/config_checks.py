@@ -149,6 +149,12 @@ def _ineffective_option_problems(config: JobConfig) -> list[str]:
             f"'data.em_range' = {config.data.em_range} has no effect with 'data.dataset_name' = "
             f"{config.data.dataset_name!r} (a slices dataset holds uint8 images); leave it empty"
         )
+    if config.data.train_label_fraction < 1 and config.data.dataset_name:
+        problems.append(
+            f"'data.train_label_fraction' = {config.data.train_label_fraction} has no effect "
+            f"with 'data.dataset_name' = {config.data.dataset_name!r} (it limits the sections "
+            "of zarr label crops); leave it at 1"
+        )
     return problems
 
 

@@ -165,12 +165,8 @@ class Optimizer:
     name: str = opt("AdamW", "Optimizer.", choices=("AdamW", "Adam"))
     lr: float = opt(1e-3, "Peak learning rate (after warmup).", check=POSITIVE)
     weight_decay: float = opt(0.05, "Weight decay.", min=0)
-    beta1: float = opt(
-        0.9, "Adam beta1 (first-moment decay).", check=BELOW_ONE
-    )
-    beta2: float = opt(
-        0.95, "Adam beta2 (second-moment decay).", check=BELOW_ONE
-    )
+    beta1: float = opt(0.9, "Adam beta1 (first-moment decay).", check=BELOW_ONE)
+    beta2: float = opt(0.95, "Adam beta2 (second-moment decay).", check=BELOW_ONE)
     eps: float = opt(1e-8, "Adam epsilon.", check=POSITIVE)
     layer_decay: float = opt(
         1.0, "Layer-wise LR decay for fine-tuning (BEiT/MAE): the backbone's block i of L gets "
@@ -196,6 +192,10 @@ class LRScheduler:
     min_lr_factor: float = opt(
         0.0, "Final LR as a fraction of optimizer.lr.", check=FRACTION
     )
+    backbone_frozen_steps: int = opt(
+        0, "Segmentation fine-tuning: the backbone's LR is 0 for this many first steps (the "
+        "head learns on the frozen, e.g. MAE-pretrained, encoder), then ramps up linearly over "
+        "training.warmup_steps into the schedule; 0 = off.", min=0)
 
 
 @dataclass
@@ -295,7 +295,9 @@ class Data:
     )
     num_workers: int = opt(0, "Data loader worker processes per rank.", min=0)
     val_crops: list[str] = opt(
-        [], "Validation crops, e.g. 'crop2' or 'jrc_synth-1/crop2' (empty: use val_fraction)."
+        [], "Validation crops, e.g. 'crop2' or 'jrc_synth-1/crop2' (empty: use val_fraction). "
+        "MAE: their EM is held out of pretraining and scores its reconstruction (empty: a "
+        "separate stream of crops of all the EM)."
     )
     val_fraction: float = opt(
         0.2,
@@ -309,6 +311,11 @@ class Data:
         "than the sample is centred on it.",
         check=FRACTION,
     )
+    train_label_fraction: float = opt(
+        1.0, "Segmentation: the fraction of each training crop's sections (z planes of the "
+        "training grid; at least one) whose labels are used, a slab in the middle of the crop; "
+        "the rest is unannotated (its EM is still read as context). For label-efficiency "
+        "studies; 1 = all labels.", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     foreground_threshold: float = opt(
         0.0,
         "MAE: redraw a sample's place (from its own generator, up to 16 times, keeping the "

@@ -13,6 +13,8 @@ from torch.optim.lr_scheduler import LambdaLR
 logger = logging.getLogger(__name__)
 
 
+# The parameters lr_scheduler.backbone_frozen_steps holds still: a segmentation model's backbone.
+FROZEN_PREFIX = "backbone."
 # Transformer blocks of a backbone ("backbone." in segmentation, "encoder." in the MAE).
 _BLOCK = re.compile(r"^(?:backbone|encoder)\.blocks\.(\d+)\.")
 _BACKBONE = re.compile(r"^(?:backbone|encoder)\.")
@@ -37,25 +39,29 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
 
     ``optimizer.layer_decay`` < 1 scales the LR of a backbone parameter at depth ``d`` (see
     :func:`layer_depth`) by ``layer_decay ** (num_blocks + 1 - d)``, as in BEiT's and MAE's
-    fine-tuning: the head learns at the full LR, early blocks change least.
+    fine-tuning: the head learns at the full LR, early blocks change least. With
+    ``lr_scheduler.backbone_frozen_steps`` the backbone's parameters are in groups of their
+    own (for :func:`build_lr_scheduler`), after the others.
     """
     o = cfg.optimizer
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     num_blocks = 1 + max((int(m.group(1)) for n, _ in named if (m := _BLOCK.match(n))), default=-1)
-    groups: dict[tuple[int, bool], dict] = {}
+    apart = cfg.lr_scheduler.backbone_frozen_steps > 0
+    groups: dict[tuple[int, bool, bool], dict] = {}
     for name, p in named:
         is_token = name.split(".")[-1] in _TOKENS
         decays = not (p.ndim <= 1 or is_token)
         depth = layer_depth(name, num_blocks) if o.layer_decay < 1.0 else num_blocks + 1
-        key = (depth, decays)
+        key = (depth, decays, apart and name.startswith(FROZEN_PREFIX))
         if key not in groups:
             scale = o.layer_decay ** (num_blocks + 1 - depth)
             groups[key] = {"params": [], "weight_decay": o.weight_decay if decays else 0.0,
                            "lr": o.lr * scale}
         groups[key]["params"].append(p)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
-    # Decaying group first (the historical order), then by depth: a fixed, documented order.
-    ordered = [groups[k] for k in sorted(groups, key=lambda k: (not k[1], k[0]))]
+    # Decaying group first (the historical order), then by depth: a fixed, documented order;
+    # a backbone kept apart comes last, so that the logged LR (group 0's) is the head's.
+    ordered = [groups[k] for k in sorted(groups, key=lambda k: (k[2], not k[1], k[0]))]
     implementation = o.implementation
     if implementation != "for-loop" and len({_placement_kind(p) for _, p in named}) > 1:
         # Tensor parallelism leaves some parameters plain and others DTensors (or DTensors on
@@ -108,9 +114,37 @@ def lr_factor(step: int, warmup: int, total: int, decay_type: str, min_factor: f
     return min_factor + (1.0 - min_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LambdaLR:
+def thaw_factor(step: int, frozen: int, ramp: int) -> float:
+    """Multiplier of a frozen-then-thawed group's LR at step ``step``: 0 for the first
+    ``frozen`` steps, then a linear ramp to 1 over ``ramp`` steps."""
+    if step < frozen:
+        return 0.0
+    return min(1.0, (step - frozen + 1) / max(1, ramp))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg,
+                       model: torch.nn.Module | None = None) -> LambdaLR:
+    """The schedule of every group; with ``lr_scheduler.backbone_frozen_steps`` the groups of
+    ``model``'s backbone (kept apart by :func:`build_optimizer`) also thaw by
+    :func:`thaw_factor`, over ``training.warmup_steps``."""
     t, s = cfg.training, cfg.lr_scheduler
-    return LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step, t.warmup_steps, t.steps, s.decay_type, s.min_lr_factor),
-    )
+
+    def schedule(step: int) -> float:
+        return lr_factor(step, t.warmup_steps, t.steps, s.decay_type, s.min_lr_factor)
+
+    def thawed(step: int) -> float:
+        return thaw_factor(step, s.backbone_frozen_steps, t.warmup_steps) * schedule(step)
+
+    frozen = _backbone_groups(optimizer, model) if s.backbone_frozen_steps else set()
+    return LambdaLR(optimizer, [thawed if i in frozen else schedule
+                                for i in range(len(optimizer.param_groups))])
+
+
+def _backbone_groups(optimizer: torch.optim.Optimizer, model) -> set[int]:
+    """Indices of the optimizer's groups that hold backbone parameters of ``model``."""
+    if model is None:
+        raise ValueError("lr_scheduler.backbone_frozen_steps needs the model, to find its "
+                         "backbone's parameter groups")
+    backbone = {id(p) for n, p in model.named_parameters() if n.startswith(FROZEN_PREFIX)}
+    return {i for i, g in enumerate(optimizer.param_groups)
+            if any(id(p) in backbone for p in g["params"])}

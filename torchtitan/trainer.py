@@ -229,7 +229,7 @@ class Trainer:
                 plan_resume(cfg.checkpoint, dump / cfg.checkpoint.folder, self.model))
         self._init_weights(plan)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg, self.model)
         self.state = TrainState(cfg.training.batch_size, self.dims.dp_degree)
         self.checkpoint = CheckpointManager(cfg, self.model, self.optimizer, self.lr_scheduler,
                                             self.state)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +93,9 @@ class LabelCrop:
     encoding: dict[str, LabelEncoding] = field(default_factory=dict)
     # "train" or "val" when a split list (CSV / TOML) assigned the crop; None for a folder.
     split: str | None = None
+    # The part of the crop whose labels are used, (min, max) corners in nm, or None for all of
+    # it (see ``label_slab``); labels outside it read as unknown.
+    bounds: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def full_name(self) -> str:
@@ -104,11 +107,29 @@ class LabelCrop:
 
     @property
     def box_min(self) -> np.ndarray:
-        return np.min([lv[0].box_min for lv in self.classes.values()], axis=0)
+        lo = np.min([lv[0].box_min for lv in self.classes.values()], axis=0)
+        return lo if self.bounds is None else np.maximum(lo, self.bounds[0])
 
     @property
     def box_max(self) -> np.ndarray:
-        return np.max([lv[0].box_max for lv in self.classes.values()], axis=0)
+        hi = np.max([lv[0].box_max for lv in self.classes.values()], axis=0)
+        return hi if self.bounds is None else np.minimum(hi, self.bounds[1])
+
+
+def label_slab(crop: LabelCrop, fraction: float, voxel_size) -> LabelCrop:
+    """The crop with its labels limited to ``fraction`` of its sections (z planes of the
+    training grid of ``voxel_size``), at least one: a slab in the middle of the crop along z,
+    so that its EM context above and below is the crop's own. ``fraction`` 1 keeps it whole."""
+    if fraction >= 1:
+        return crop
+    vz = float(voxel_size[0])
+    z0, z1 = float(crop.box_min[0]), float(crop.box_max[0])
+    sections = max(1, int(round((z1 - z0) / vz)))
+    keep = max(1, int(round(fraction * sections)))
+    start = z0 + (sections - keep) // 2 * vz
+    lo, hi = np.full(3, -np.inf), np.full(3, np.inf)
+    lo[0], hi[0] = start, start + keep * vz
+    return replace(crop, bounds=(lo, hi))
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torchtitan.datasets.cellmap import (
     check_crop_inside,
     check_voxel_size,
     discover,
+    label_slab,
     set_em_ranges,
 )
 from torchtitan.cellmap.classes import check_class_names
@@ -221,7 +222,21 @@ def load_segmentation_data(cfg) -> tuple[list[EMSource], list[LabelCrop], list[L
                                  cfg.data.val_fraction, cfg.training.seed)
     _check_classes(train, cfg.data.classes, "training")
     _check_crop_size(train, cfg.data.voxel_size, cfg.model.crop_size, cfg.data.min_label_fraction)
+    train = [label_slab(c, cfg.data.train_label_fraction, cfg.data.voxel_size) for c in train]
+    if cfg.data.train_label_fraction < 1:
+        logger.info("data.train_label_fraction %g: labels of %s", cfg.data.train_label_fraction,
+                    ", ".join(f"{c.full_name} z {c.box_min[0]:g}-{c.box_max[0]:g} nm"
+                              for c in train))
     return sources, train, val
+
+
+def held_out_crops(cfg, sources: list[EMSource]) -> list[LabelCrop]:
+    """The crops ``data.val_crops`` names (none when it is empty): MAE pretraining holds
+    their EM out and validates on it."""
+    if not cfg.data.val_crops:
+        return []
+    crops = [c for s in sources for c in s.crops]
+    return split_crops(crops, [], cfg.data.val_crops, 0.0, cfg.training.seed)[1]
 
 
 def build_segmentation_samples(cfg, sources, train_crops) -> SegmentationSamples:
@@ -231,9 +246,11 @@ def build_segmentation_samples(cfg, sources, train_crops) -> SegmentationSamples
 
 
 def build_mae_samples(cfg, sources, seed_offset: int = 0, num_patches: int = 0,
-                      augment: bool = True) -> MAESamples:
-    """MAE samples; ``augment=False`` for the fixed held-out validation stream."""
+                      augment: bool = True, held_out: list[LabelCrop] = (),
+                      validation: bool = False) -> MAESamples:
+    """MAE samples outside the ``held_out`` crops, or with ``validation`` inside them (and
+    ``augment=False``, a ``seed_offset``: the fixed validation stream)."""
     return MAESamples(sources, cfg.data.voxel_size, cfg.model.crop_size,
                       cfg.training.seed + seed_offset, augment=augment, num_patches=num_patches,
-                      **samples_kwargs(cfg, "mae"))
+                      held_out=held_out, validation=validation, **samples_kwargs(cfg, "mae"))
 

@@ -30,9 +30,24 @@ def unknown_value(crop: LabelCrop, group: str) -> int:
 
 
 def read_raw(crop: LabelCrop, group: str, origin, voxel_size, shape) -> np.ndarray:
-    """Stored values of one class group on the grid; outside the crop they read as unknown."""
+    """Stored values of one class group on the grid; outside the crop (and outside its
+    ``bounds``, when its labels are limited) they read as unknown."""
     level = label_level(crop.classes[group], voxel_size)
-    return read_nearest(level, origin, voxel_size, shape, fill=unknown_value(crop, group))
+    unknown = unknown_value(crop, group)
+    values = read_nearest(level, origin, voxel_size, shape, fill=unknown)
+    if crop.bounds is None:
+        return values
+    return np.where(_inside(crop.bounds, origin, voxel_size, shape), values, unknown).astype(
+        values.dtype, copy=False)
+
+
+def _inside(bounds, origin, voxel_size, shape) -> np.ndarray:
+    """Boolean (z, y, x) mask of the grid voxels whose centres lie within ``bounds``."""
+    masks = []
+    for ax in range(3):
+        centres = origin[ax] + (np.arange(shape[ax]) + 0.5) * voxel_size[ax]
+        masks.append((centres >= bounds[0][ax]) & (centres < bounds[1][ax]))
+    return masks[0][:, None, None] & masks[1][None, :, None] & masks[2][None, None, :]
 
 
 def target_groups(crop: LabelCrop, cls: str) -> tuple[str, ...] | None:

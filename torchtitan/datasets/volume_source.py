@@ -22,10 +22,12 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.cellmap.errors import DatasetError
 from torchtitan.datasets.batch import CropVolume
 from torchtitan.datasets.loader import (
     build_mae_samples,
     build_segmentation_samples,
+    held_out_crops,
     load_em_sources,
     load_segmentation_data,
 )
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 class VolumeSource(Protocol):
     """The data of a run, whatever holds it. Built with ``labels=False`` (MAE) a source has
-    no crops: only :meth:`mae_dataset` serves."""
+    no training crops: only :meth:`mae_dataset` serves, and ``val_crops`` are the crops whose
+    EM it holds out."""
 
     val_crops: list  # the held-out label crops (LabelCrop or SliceCrop), in a fixed order
 
@@ -52,9 +55,9 @@ class VolumeSource(Protocol):
         """The segmentation training samples (of the training crops), by global index."""
 
     def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
-                    augment: bool = True) -> Dataset:
-        """The MAE samples of the EM; ``augment=False`` and a ``seed_offset`` for the held-out
-        validation stream."""
+                    augment: bool = True, validation: bool = False) -> Dataset:
+        """The MAE samples of the EM outside the held-out crops; with ``validation`` (and
+        ``augment=False``, a ``seed_offset``) the fixed validation stream, inside them."""
 
     def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Origin (nm) and shape of the training grid that covers the whole crop."""
@@ -85,18 +88,22 @@ class CellMapSource:
                         "(%s)", len(self.ems), len(self.train_crops), len(self.val_crops),
                         ", ".join(c.full_name for c in self.val_crops) or "none")
         else:
-            self.ems, self.train_crops, self.val_crops = load_em_sources(cfg), [], []
-            logger.info("MAE data: %d EM volumes (%s)", len(self.ems),
-                        ", ".join(s.name for s in self.ems))
+            self.ems, self.train_crops = load_em_sources(cfg), []
+            # MAE: the EM of the validation crops is held out of pretraining.
+            self.val_crops = held_out_crops(cfg, self.ems)
+            logger.info("MAE data: %d EM volumes (%s); held out for validation: %s",
+                        len(self.ems), ", ".join(s.name for s in self.ems),
+                        ", ".join(c.full_name for c in self.val_crops)
+                        or "none (validation draws its own crops of all the EM)")
         self.reader = CropReader(self.ems, d.classes, d.voxel_size) if labels else None
 
     def segmentation_dataset(self) -> Dataset:
         return build_segmentation_samples(self.cfg, self.ems, self.train_crops)
 
     def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
-                    augment: bool = True) -> Dataset:
+                    augment: bool = True, validation: bool = False) -> Dataset:
         return build_mae_samples(self.cfg, self.ems, seed_offset, num_patches=num_patches,
-                                 augment=augment)
+                                 augment=augment, held_out=self.val_crops, validation=validation)
 
     def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
         return crop_grid(crop, self.cfg.data.voxel_size)
@@ -124,13 +131,18 @@ class SliceSource:
             self.index, self.train_crops, self.val_crops = load_slice_data(cfg)
             self.reader = SliceReader(self.index, cfg.data.classes)
         else:
+            if cfg.data.val_crops:
+                raise DatasetError(
+                    f"data.val_crops = {cfg.data.val_crops}: MAE on a slices dataset "
+                    f"(data.dataset_name = {cfg.data.dataset_name!r}) holds out no crops; "
+                    "leave data.val_crops empty (validation draws its own slices)")
             self.mae_slices, self.train_crops, self.val_crops = load_mae_slices(cfg), [], []
 
     def segmentation_dataset(self) -> Dataset:
         return build_slice_samples(self.cfg, self.index, self.train_crops)
 
     def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
-                    augment: bool = True) -> Dataset:
+                    augment: bool = True, validation: bool = False) -> Dataset:
         return build_slice_mae_samples(self.cfg, self.mae_slices, seed_offset,
                                        num_patches=num_patches, augment=augment)
 

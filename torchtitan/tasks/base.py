@@ -82,10 +82,10 @@ class SegmentationVisuals(Protocol):
 
 
 class MAEVisuals(Protocol):
-    """Writes the picture of one held-out MAE sample (the entry script hands in
+    """Writes the picture of a few held-out MAE samples (the entry script hands in
     ``torchtitan.tools.visualization.write_mae_visuals``)."""
 
     def __call__(self, out_dir: Path, step: int, image: torch.Tensor, masked_image: torch.Tensor,
                  reconstruction: torch.Tensor, writer: Any = None) -> Any:
         """Input, input with hidden patches NaN, and reconstruction (hidden patches predicted),
-        each (C, *spatial)."""
+        each (N, C, *spatial): N samples."""

@@ -6,7 +6,8 @@ panels), on plain arrays (numpy, or torch tensors, which are converted):
 * ``comparison_frames``: for evenly spaced z slices of a volume, one picture of
   [EM | EM + ground truth | EM + prediction] with titles and a legend.
 * ``grid_frames``: several volumes side by side in a grid, stepping through depth together.
-* ``mae_frame``: input / masked input / reconstruction of a masked autoencoder.
+* ``mae_frame``: masked input / reconstruction / input of a masked autoencoder
+  (``mae_rows``: one such row per sample of a batch).
 * ``save_gif``, ``frames_to_tensorboard_image``: output.
 * ``write_validation_visuals`` and ``write_mae_visuals``: the picture writers that the entry
   scripts hand to the segmentation and MAE tasks (a tool: the tasks never import it).
@@ -266,7 +267,8 @@ def _mae_slice(x) -> np.ndarray:
 
 def mae_frame(image, masked_image, reconstruction, scale: int | None = None,
               title: str | None = None) -> Image.Image:
-    """Input, masked input and reconstruction of a masked autoencoder side by side.
+    """Masked input, reconstruction and input (the original) of a masked autoencoder side by
+    side: what the model saw, what it made of it, what it should have made.
 
     Each is (H, W), (C, H, W) or, for 3D, (C, D, H, W) (the middle slice is shown). All three
     share the input's intensity range, so a reconstruction that is too dark looks too dark.
@@ -281,7 +283,7 @@ def mae_frame(image, masked_image, reconstruction, scale: int | None = None,
     height, width = slices[0].shape[:2]
     s = scale or auto_scale(height, width)
     panels = []
-    for name, a in zip(("input", "masked", "reconstruction"), slices):
+    for name, a in zip(("masked", "reconstruction", "original"), slices[1:] + slices[:1]):
         missing = ~np.isfinite(a) if a.ndim == 2 else ~np.isfinite(a).all(axis=-1)
         rgb = to_uint8(a, lo, hi)
         rgb = rgb if rgb.ndim == 3 else np.repeat(rgb[..., None], 3, axis=2)
@@ -385,11 +387,27 @@ def write_validation_visuals(
     return path
 
 
+def mae_rows(images, masked_images, reconstructions, title: str = "") -> Image.Image:
+    """One ``mae_frame`` row per sample of a batch ((N, C, *spatial) each), stacked."""
+    rows = [mae_frame(i, m, r, title=f"{title}, validation sample {k + 1}" if title
+                      else f"validation sample {k + 1}")
+            for k, (i, m, r) in enumerate(zip(images, masked_images, reconstructions))]
+    if not rows:
+        raise ValueError("no samples to draw")
+    frame = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)),
+                      BACKGROUND)
+    y = 0
+    for row in rows:
+        frame.paste(row, (0, y))
+        y += row.height
+    return frame
+
+
 def write_mae_visuals(out_dir, step: int, image, masked_image, reconstruction, writer=None) -> Path:
-    """Save the MAE picture of one held-out sample (arrays as in ``mae_frame``) as
-    ``out_dir/mae_step<step>.png`` and, given a TensorBoard ``SummaryWriter``, log it as image
-    ``visuals/mae`` at ``step``. Returns the PNG path."""
-    frame = mae_frame(image, masked_image, reconstruction, title=f"step {step}")
+    """Save the MAE picture of a few held-out samples (batches (N, C, *spatial), one row each,
+    see ``mae_frame``) as ``out_dir/mae_step<step>.png`` and, given a TensorBoard
+    ``SummaryWriter``, log it as image ``visuals/mae`` at ``step``. Returns the PNG path."""
+    frame = mae_rows(image, masked_image, reconstruction, title=f"step {step}")
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"mae_step{step}.png"
