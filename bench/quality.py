@@ -49,11 +49,17 @@ latter (``label_efficiency.png`` in ``--out``: one line per model). ``--equal-ti
 the smallest fraction, each scratch ``MODEL`` trained for its steps plus the steps that its
 pretrained twin's pretraining time would have bought it (from the median step time of its own
 runs): the comparison at equal total time, pretraining included.
+
+``--reuse`` keeps a run already in ``--out`` (a pretraining, a model at a fraction and seed)
+when its resolved ``config.toml`` equals the one its command gives now and its last step was
+validated: a benchmark interrupted, or widened by more fractions or models, runs only what is
+missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
@@ -125,10 +131,15 @@ def unet_task():
 
 
 # --------------------------------------------------------------------------- the runs
+REUSE = False  # --reuse: keep the finished runs of the same config (finished_run)
+WALL = "bench_wall_s"  # a run's wall time, beside its config.toml
+
+
 def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
            entry_script: str = "train_segmentation.py", data: Path | None = None) -> float:
     """Train one model with torchrun; returns the wall time in seconds. ``data`` is the
-    dataset unless the spec's flags name another."""
+    dataset unless the spec's flags name another. With ``--reuse`` a finished run of the
+    same config in ``--job.dump_folder`` is kept (its wall time as recorded)."""
     config, *extra = shlex.split(spec)
     kind = name.split("@")[0]
     if kind in UNETS:
@@ -137,9 +148,42 @@ def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
     else:
         entry = [str(REPO / entry_script)]
     default = ["--data.dataset_path", str(data)] if data is not None else []
+    flags = ["--job.config_file", config, *default, *extra, *argv]
+    dump = Path(argv[argv.index("--job.dump_folder") + 1])
+    if REUSE and finished_run(dump, flags):
+        print(f"{name}: reused (a finished run of the same config in {dump})", flush=True)
+        return recorded_wall(dump)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(nproc), *entry, "--job.config_file", config, *default, *extra, *argv]
-    return run_logged(name, cmd, log)
+           str(nproc), *entry, *flags]
+    wall = run_logged(name, cmd, log)
+    (dump / WALL).write_text(f"{wall!r}\n")
+    return wall
+
+
+def finished_run(dump: Path, flags: list[str]) -> bool:
+    """Whether ``dump`` holds a run of exactly the config that ``flags`` resolve to (its
+    first launch's ``config.toml``), validated at its last step."""
+    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config_parsing import config_to_dict, read_toml
+
+    saved = dump / "config.toml"
+    if not saved.is_file() or not (dump / "logs" / "metrics.jsonl").is_file():
+        return False
+    with contextlib.chdir(REPO):  # config paths are relative to the repository, as in runs
+        config = ConfigManager().parse_args(flags)
+    if config_to_dict(config) != read_toml(str(saved)):
+        return False
+    return any(r.get("step") == config.training.steps and any(k.startswith("val/") for k in r)
+               for r in records(dump))
+
+
+def recorded_wall(dump: Path) -> float:
+    """A finished run's wall time: as recorded, or (a run from before the record) the time
+    from its config to its last metrics."""
+    if (dump / WALL).is_file():
+        return float((dump / WALL).read_text())
+    metrics = dump / "logs" / "metrics.jsonl"
+    return metrics.stat().st_mtime - (dump / "config.toml").stat().st_mtime
 
 
 def run_logged(name: str, cmd: list[str], log: Path) -> float:
@@ -468,10 +512,15 @@ def main(argv=None) -> int:
                         help="fractions of the training labels (e.g. 1/16,1/8,1/4,1): every "
                              "model trains once per fraction; a table and a plot of mean IoU "
                              "against the fraction (default: all labels)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs already in --out whose resolved config equals "
+                             "their command's and whose last step was validated")
     parser.add_argument("--equal-time", action="store_true",
                         help="at the smallest fraction, also train each scratch MODEL of a "
                              "MODEL@PRETRAIN pair for its pretrained twin's total time")
     args = parser.parse_args(argv)
+    global REUSE
+    REUSE = args.reuse
     models = dict(m.split("=", 1) for m in (args.model or DEFAULT_MODELS))
     fractions = parse_fractions(args.label_fractions)
     if args.equal_time and not args.steps:

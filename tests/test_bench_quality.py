@@ -80,6 +80,25 @@ def test_label_fractions_pretraining_and_equal_time(demo_data, tmp_path, capsys)
     with Image.open(out / "label_efficiency.png") as png:
         assert png.size == (720, 440)
 
+    # Run again with --reuse: every run is kept, none is trained again; another config is not.
+    stamps = {r: (out / r / "logs" / "metrics.jsonl").stat().st_mtime for r in runs}
+    quality.main(["--data", str(demo_data), "--out", str(out), "--steps", "2", "--nproc", "1",
+                  "--label-fractions", "1/4,1", "--equal-time", "--reuse",
+                  "--pretrain", "mae=train_configs/debug_mae_2d.toml --training.steps 2 "
+                                "--training.batch_size 2 --model.crop_size 32,32 "
+                                "--data.val_crops jrc_synth-2/crop7",
+                  "--model", f"vit={seg}", "--model", f"vit@mae={seg}"])
+    printed = capsys.readouterr().out
+    assert printed.count(": reused (a finished run") == len(runs) + 1, printed  # + the MAE
+    assert json.loads((out / "results.json").read_text())["runs"] == runs
+    assert stamps == {r: (out / r / "logs" / "metrics.jsonl").stat().st_mtime for r in runs}
+    flags = ["--job.config_file", *seg.split(), "--data.dataset_path", str(demo_data),
+             "--data.train_label_fraction", "0.25", "--job.dump_folder", str(out / "vit_f1-4"),
+             "--training.steps", "2", "--metrics.eval_freq", "0",
+             "--no-checkpoint.enable_checkpoint", "--no-metrics.progress_bar"]
+    assert quality.finished_run(out / "vit_f1-4", flags)
+    assert not quality.finished_run(out / "vit_f1-4", [*flags, "--training.seed", "3"])
+
 
 def test_label_fraction_values_are_checked():
     quality = script_module("bench/quality.py")
