@@ -346,6 +346,27 @@ def inference_rows(args, sizes: Sizes, device: torch.device, table: Table, deadl
                      "max abs diff": f"{diff:.1e}" if diff is not None else ""})
 
 
+_LAUNCH_ERRORS = ("Connection reset", "Connection refused", "Connection closed",
+                  "Address already in use", "RendezvousError", "DistNetworkError",
+                  "Socket Timeout", "timed out")
+
+
+def _failure_reason(stderr: str) -> str:
+    """The line that says why a torchrun launch failed: the last exception line of a rank's
+    traceback, not the launcher's banner of '=' that ends its summary."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and ":" in ln
+              and not ln.startswith(("File ", "Traceback", "torch.distributed.elastic"))]
+    if errors:
+        return errors[-1][:300]
+    text = [ln for ln in lines if set(ln) != {"="}]
+    return text[-1][:300] if text else "no output"
+
+
+def _launch_failure(stderr: str) -> bool:
+    return any(k in stderr for k in _LAUNCH_ERRORS)
+
+
 def cp_rows(args, sizes: Sizes, table: Table, deadline: float) -> None:
     """CP 1 against CP N through bench/context_parallel.py (N = the GPUs; 2 CPU processes in
     the dry run), one row per sequence length and one for the longest-sequence search."""
@@ -364,8 +385,17 @@ def cp_rows(args, sizes: Sizes, table: Table, deadline: float) -> None:
     if not args.dry_run:
         cmd += ["--device", "cuda"]
     r = subprocess.run(cmd, capture_output=True, text=True)
+    retried = ""
+    if r.returncode != 0 and _launch_failure(r.stderr):
+        # A rendezvous or socket failure of the launcher, not of the benchmark: once more,
+        # and say so in the row.
+        retried = f"retried after: {_failure_reason(r.stderr)}"
+        print(r.stderr, file=sys.stderr)
+        r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        table.add(config=f"CP {nproc}", status="failed: " + r.stderr.strip().splitlines()[-1])
+        print(r.stderr, file=sys.stderr)
+        table.add(config=f"CP {nproc}", status="failed: " + _failure_reason(r.stderr),
+                  note=retried)
         return
     for line in r.stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -374,7 +404,8 @@ def cp_rows(args, sizes: Sizes, table: Table, deadline: float) -> None:
                       **{"activation MB (CP 1 / CP N per rank)": f"{cells[1]} / {cells[2]}",
                          "ratio": cells[3], "s/step (CP 1 / CP N)": f"{cells[4]} / {cells[5]}",
                          "peak MB (CP 1 / CP N per rank)":
-                             f"{cells[6]} / {cells[7]}" if len(cells) > 7 else "-"})
+                             f"{cells[6]} / {cells[7]}" if len(cells) > 7 else "-",
+                         "note": retried})
         elif line.startswith("Longest sequence"):
             table.add(config=f"CP 1 vs CP {nproc}, longest sequence", status="ok",
                       ratio=line.rsplit("(", 1)[1].rstrip(")"), note=line)
