@@ -248,7 +248,6 @@ def test_array_handle_cache_is_bounded(tmp_path, monkeypatch):
 
 
 def test_class_name_neither_cellmap_nor_annotated(tmp_path):
-    pytest.importorskip("torchtitan.cellmap.classes")
     write_store(tmp_path)
     with pytest.raises(DatasetError, match="'mitochondrion'"):
         load_segmentation_data(seg_cfg(tmp_path, "--data.classes", "mito,mitochondrion"))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from torchtitan.config_manager import ConfigManager
+from torchtitan.errors import ConfigError
 from torchtitan.models import build_backbone
 from torchtitan.models.segmentation import SegmentationModel
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer, layer_depth
@@ -32,6 +33,31 @@ def test_without_layer_decay_two_groups_and_every_parameter_once():
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(params) == len(set(map(id, params))) == len(list(model.parameters()))
     assert all(g["lr"] == 1e-3 for g in opt.param_groups)
+    # Which parameters decay: every weight matrix and convolution kernel; no norm, bias,
+    # LayerScale or token.
+    decaying = {id(p) for p in opt.param_groups[0]["params"]}
+    for name, p in model.named_parameters():
+        token = name.split(".")[-1] in ("cls_token", "mask_token", "storage_tokens")
+        assert (id(p) in decaying) == (p.ndim >= 2 and not token), name
+
+
+def test_weight_matrices_decay_and_norms_do_not():
+    """One AdamW step with zero gradients: a decaying parameter shrinks by exactly
+    (1 - lr * weight_decay), the others stay as they were."""
+    model = _model()
+    opt = build_optimizer(model, _cfg("--optimizer.weight_decay", "0.1"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    decaying = {id(p) for p in opt.param_groups[0]["params"]}
+    kinds = {True: 0, False: 0}
+    for name, p in model.named_parameters():
+        shrunk = id(p) in decaying
+        kinds[shrunk] += 1
+        expected = before[name] * (1 - 1e-3 * 0.1) if shrunk else before[name]
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0, msg=name)
+    assert kinds[True] > 0 and kinds[False] > 0, kinds
 
 
 def test_layer_decay_scales_the_lr_by_depth():
@@ -111,7 +137,7 @@ def test_layer_depth_of_mae_and_segmentation_names():
 
 
 def test_layer_decay_out_of_range_is_a_config_error():
-    with pytest.raises(Exception, match="layer_decay"):
+    with pytest.raises(ConfigError, match=r"'optimizer\.layer_decay'.*1\.5 \(must be in \[0, 1\]\)"):
         _cfg("--optimizer.layer_decay", "1.5")
 
 
