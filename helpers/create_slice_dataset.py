@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan.choices import EM_SCALE
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.samples import CropReader, crop_grid
@@ -88,7 +89,7 @@ def read_crop_slices(source, crop, classes: list[str], voxel_size) -> dict:
     bool, the grid's ``origin`` and ``shape``, and the ``annotated`` classes."""
     origin, shape = crop_grid(crop, voxel_size)
     arrays = CropReader([source], classes, voxel_size).read(crop, origin, shape)
-    em = np.clip(np.rint((arrays.image[0] + 1.0) * 127.5), 0, 255).astype(np.uint8)
+    em = np.clip(np.rint((arrays.image[0] + 1.0) * EM_SCALE), 0, 255).astype(np.uint8)
     return {"em": em, "truth": arrays.target > 0, "valid": arrays.valid > 0,
             "origin": origin, "shape": shape,
             "annotated": [c for c in classes if annotates(crop, c)]}

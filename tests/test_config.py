@@ -586,7 +586,7 @@ def test_help_in_subprocess():
 
 def test_module_imports_nothing_of_ours():
     """Floor 1: the config modules (config_manager and the config_* modules beside it) import
-    only the standard library, tomli_w, each other and the ground floor's errors."""
+    only the standard library, tomli_w, each other and the ground floor (errors, choices)."""
     import torchtitan.config_manager as module
 
     folder = os.path.dirname(module.__file__)
@@ -603,7 +603,7 @@ def test_module_imports_nothing_of_ours():
                 imported.add(node.module)
     ours = {name for name in imported if name.split(".")[0] == "torchtitan"}
     assert ours <= {"torchtitan.config_parsing", "torchtitan.config_checks",
-                    "torchtitan.config_manager", "torchtitan.errors"}
+                    "torchtitan.config_manager", "torchtitan.errors", "torchtitan.choices"}
     outside_stdlib = {name.split(".")[0] for name in imported - ours} - set(sys.stdlib_module_names)
     assert outside_stdlib == {"tomli_w"}
 

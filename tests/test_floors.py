@@ -132,6 +132,7 @@ def core_importing_tools(graph: dict[str, set[str]], package: str = PACKAGE) -> 
 
 CONFIG = f"{PACKAGE}.config_*"  # config_manager and the config_* modules behind it
 ERRORS = f"{PACKAGE}.errors"  # the ground floor
+CHOICES = f"{PACKAGE}.choices"  # the ground floor: names and facts several floors share
 
 
 @pytest.fixture(scope="module")
@@ -159,17 +160,24 @@ def test_errors_import_nothing_of_ours(graph):
     assert violations(graph, ERRORS, ()) == {}
 
 
+def test_choices_import_nothing_of_ours(graph):
+    """The ground floor: the config offers names that models and data implement, so
+    ``choices`` asks no one."""
+    assert CHOICES in graph
+    assert violations(graph, CHOICES, ()) == {}
+
+
 def test_the_domain_imports_nothing_above_it(graph):
     """Floor 2: every other floor may ask the domain (``torchtitan.cellmap``); it asks none
     of them, only the errors (not the config schema)."""
-    assert violations(graph, f"{PACKAGE}.cellmap", (ERRORS,)) == {}
+    assert violations(graph, f"{PACKAGE}.cellmap", (ERRORS, CHOICES)) == {}
 
 
 def test_config_imports_nothing_of_ours(graph):
     """Floor 1: the config (``config_manager`` and the ``config_*`` modules it is built from)
-    imports nothing of ours but itself and the errors."""
+    imports nothing of ours but itself, the errors and the shared names."""
     assert f"{PACKAGE}.config_manager" in graph
-    assert violations(graph, CONFIG, (ERRORS,)) == {}
+    assert violations(graph, CONFIG, (ERRORS, CHOICES)) == {}
 
 
 # Every module of ours on its floor (DESIGN.md, "Floors"), by the first prefix here that holds
@@ -177,6 +185,7 @@ def test_config_imports_nothing_of_ours(graph):
 FLOORS = {
     CONFIG: 1,
     ERRORS: 0,
+    CHOICES: 0,
     f"{PACKAGE}.cellmap": 2,
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.datasets": 3,

@@ -34,7 +34,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -57,10 +56,13 @@ from torchtitan.checkpoint_reading import (
     complete_steps,
     load_model_weights,
     model_part,
+    PARTIAL_STEP_RE,
     parse_prefix_map,
+    partial_step_folder,
     readable_steps,
     resolve_step_folder,
     shared_parts_map,
+    step_folder,
     unused_seed_keys,
 )
 from torchtitan.errors import CheckpointError
@@ -70,7 +72,6 @@ logger = logging.getLogger(__name__)
 
 BEST_RECORD = "best.json"  # names the best checkpoint: {"step": N, <metric>: score}
 # Left behind by a job killed mid-save (checkpoint) or mid-write (best.json); never loadable.
-STALE_TMP_RE = re.compile(r"^(\.step-\d+\.tmp|\.best\.json\.tmp)$")
 SEED_STEP = 0  # a model-only checkpoint at this step is a seed (pth_to_dcp.py, create_seed_checkpoint)
 
 
@@ -133,8 +134,8 @@ class CheckpointManager:
         state to host memory) and is finalised before the next save or at :meth:`close`.
         """
         self.wait()
-        final = self.folder / f"step-{step}"
-        tmp = self.folder / f".step-{step}.tmp"
+        final = step_folder(self.folder, step)
+        tmp = partial_step_folder(self.folder, step)
         if _is_rank0():
             self.folder.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -174,14 +175,14 @@ class CheckpointManager:
         here together: rank 0 removes the partial ``.tmp`` folder and no rank waits for
         another. The previous ``step-N`` folders are never touched by a save.
         """
-        tmp = self.folder / f".step-{step}.tmp"
+        tmp = partial_step_folder(self.folder, step)
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         causes = _failure_causes(error)
         if not any(isinstance(c, OSError) for _, c in causes):
             raise error  # not a storage problem: a bug, shown with its traceback
         previous = [s for s in complete_steps(self.folder) if s < step]
-        kept = (f"the previous checkpoint {self.folder / f'step-{previous[-1]}'} is intact and "
+        kept = (f"the previous checkpoint {step_folder(self.folder, previous[-1])} is intact and "
                 "a relaunch of the same command resumes from it" if previous else
                 "there is no earlier checkpoint, so a relaunch starts from step 0")
         no_space = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -208,11 +209,11 @@ class CheckpointManager:
 
     def _finalize(self, step: int) -> None:
         _barrier()  # every rank's files and DCP's .metadata are written
-        final = self.folder / f"step-{step}"
+        final = step_folder(self.folder, step)
         if _is_rank0():
             if final.exists():
                 shutil.rmtree(final)
-            os.replace(self.folder / f".step-{step}.tmp", final)
+            os.replace(partial_step_folder(self.folder, step), final)
             self._purge()
         _barrier()
         logger.info("saved checkpoint %s", final)
@@ -234,7 +235,7 @@ class CheckpointManager:
         best = self.train_state.best_step
         for step in complete_steps(self.folder)[:-k]:
             if step != best:
-                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+                shutil.rmtree(step_folder(self.folder, step), ignore_errors=True)
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -372,16 +373,16 @@ def plan_resume(cfg, folder: Path, model: torch.nn.Module) -> ResumePlan:
         if cfg.load_step not in steps:
             raise CheckpointError(
                 f"checkpoint.load_step={cfg.load_step}: no complete checkpoint "
-                f"{folder}/step-{cfg.load_step}; available steps: {steps or 'none'}"
+                f"{step_folder(folder, cfg.load_step)}; available steps: {steps or 'none'}"
             )
         step = cfg.load_step
-        if step == SEED_STEP and not _has_optimizer_state(folder / f"step-{step}"):
-            return _plan_seed(cfg, folder / f"step-{step}", model)
+        if step == SEED_STEP and not _has_optimizer_state(step_folder(folder, step)):
+            return _plan_seed(cfg, step_folder(folder, step), model)
     elif steps:
         # The newest checkpoint that can resume training (a model-only final export cannot).
-        full = [s for s in steps if _has_optimizer_state(folder / f"step-{s}")]
+        full = [s for s in steps if _has_optimizer_state(step_folder(folder, s))]
         if not full and steps[-1] == SEED_STEP:
-            return _plan_seed(cfg, folder / f"step-{SEED_STEP}", model)
+            return _plan_seed(cfg, step_folder(folder, SEED_STEP), model)
         if not full:
             raise CheckpointError(
                 f"{folder} holds only model-only checkpoints {steps}; start a new "
@@ -393,7 +394,7 @@ def plan_resume(cfg, folder: Path, model: torch.nn.Module) -> ResumePlan:
         return _plan_initial(cfg)
     # This run's own checkpoint: everything is restored (exclude_from_loading is for warm
     # starts only, else every restart would reset the step and the optimizer).
-    return ResumePlan("full", folder / f"step-{step}")
+    return ResumePlan("full", step_folder(folder, step))
 
 
 def _plan_initial(cfg) -> ResumePlan:
@@ -425,7 +426,7 @@ def remove_stale_tmp(folder: Path) -> None:
     (rank 0, before anything else reads or writes the folder)."""
     if _is_rank0() and folder.is_dir():
         for p in folder.iterdir():
-            if STALE_TMP_RE.match(p.name):
+            if PARTIAL_STEP_RE.match(p.name) or p.name == f".{BEST_RECORD}.tmp":
                 logger.warning("removing %s, left by an interrupted save", p)
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)

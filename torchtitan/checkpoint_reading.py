@@ -33,6 +33,21 @@ logger = logging.getLogger(__name__)
 STEP_RE = re.compile(r"^step-(\d+)$")
 
 
+def step_folder(folder: str | os.PathLike, step: int) -> Path:
+    """The folder of step ``step``'s checkpoint: ``folder/step-N`` (read by :data:`STEP_RE`)."""
+    return Path(folder) / f"step-{step}"
+
+
+PARTIAL_STEP_RE = re.compile(r"^\.step-(\d+)\.tmp$")
+
+
+def partial_step_folder(folder: str | os.PathLike, step: int) -> Path:
+    """Where step ``step``'s checkpoint is written before its rename to :func:`step_folder`:
+    hidden, and never matched by :data:`STEP_RE`, so that a crash mid-save leaves no step
+    (:data:`PARTIAL_STEP_RE` finds what a killed job left)."""
+    return Path(folder) / f".step-{step}.tmp"
+
+
 def complete_steps(folder: str | os.PathLike) -> list[int]:
     """Steps with a complete checkpoint (renamed into place, with DCP metadata), ascending."""
     folder = Path(folder)
@@ -51,7 +66,7 @@ def readable_steps(folder: str | os.PathLike) -> list[int]:
     metadata is corrupt (truncated, garbage) is skipped with a warning naming it."""
     steps = []
     for step in complete_steps(folder):
-        path = Path(folder) / f"step-{step}"
+        path = step_folder(folder, step)
         try:
             dcp.FileSystemReader(str(path)).read_metadata()
         except Exception as e:  # unpickling garbage raises almost anything
@@ -153,7 +168,7 @@ def resolve_step_folder(path: str | os.PathLike) -> Path:
     """A step folder as given, or the latest complete step of a run's checkpoint folder."""
     path = Path(path)
     if not (path / ".metadata").is_file() and readable_steps(path):
-        path = path / f"step-{readable_steps(path)[-1]}"
+        path = step_folder(path, readable_steps(path)[-1])
     return path
 
 

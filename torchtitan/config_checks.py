@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torchtitan.choices import HEAD_IMAGE_LEVELS, is_isotropic
 from torchtitan.config_parsing import field_problems
 from torchtitan.errors import ConfigError
 
@@ -45,10 +46,10 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
         )
     if model.head_image_levels:
         most = model.patch_size.bit_length()  # log2(patch_size) + 1 for a power of two
-        if model.head not in ("upconv", "multiscale"):
+        if model.head not in HEAD_IMAGE_LEVELS:
             problems.append(
                 f"'model.head_image_levels' = {model.head_image_levels} applies to the "
-                f"'upconv' and 'multiscale' heads, not '{model.head}'; set it to 0 or change "
+                f"{' and '.join(map(repr, HEAD_IMAGE_LEVELS))} heads, not '{model.head}'; set it to 0 or change "
                 "'model.head'")
         elif model.head_image_levels > most:
             problems.append(
@@ -61,7 +62,7 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
             f"'model.decoder_dim' = {model.decoder_dim} is not divisible by "
             f"'model.decoder_num_heads' = {model.decoder_num_heads}"
         )
-    anisotropic = len(set(config.data.voxel_size)) > 1
+    anisotropic = not is_isotropic(config.data.voxel_size)
     for key, planes, what in (("inference.planes", config.inference.planes, "runs the 2D model on"),
                               ("data.planes", config.data.planes, "samples")):
         if model.ndim == 2 and planes == "zyx" and anisotropic:

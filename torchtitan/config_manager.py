@@ -36,6 +36,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from torchtitan.choices import (ATTENTION_BACKENDS, HEADS, LOSSES, OUT_LAYER_SETS, PLANES,
+                                PROBABILITY_THRESHOLD)
 from torchtitan.config_checks import config_warnings, validate
 from torchtitan.config_parsing import (
     COMMAND_LINE,
@@ -332,7 +334,7 @@ class Data:
         "z",
         "2D models: sample planes normal to z only ('z') or to z, y and x at random ('zyx'; "
         "needs an isotropic data.voxel_size).",
-        choices=("z", "zyx"),
+        choices=PLANES,
     )
     dataset_name: str = opt(
         "",
@@ -431,7 +433,7 @@ class Model:
         "(x2 upsampling stages with a skip from the input, for thin structures) or "
         "'multiscale' (upconv with the input also encoded at 1/2 and 1/4 resolution and fused "
         "at those scales, UNETR-style).",
-        choices=("linear", "upconv", "multiscale"),
+        choices=HEADS,
     )
     head_channels: int = opt(
         64, "Segmentation 'upconv' and 'multiscale' heads: channels of the first stage.", min=1)
@@ -445,7 +447,7 @@ class Model:
         "bce",
         "Segmentation loss: per-class 'bce', soft 'dice', 'bce_dice' (multi-label, per-class "
         "validity masks) or 'ce' (mutually exclusive classes, invalid voxels ignored).",
-        choices=("bce", "dice", "bce_dice", "ce"),
+        choices=LOSSES,
     )
     class_weights: list[float] = opt(
         [], "Per-class loss weights in data.classes order; empty = all 1.", min=0
@@ -454,11 +456,11 @@ class Model:
     backbone_out_layers: str = opt(
         "four_even_intervals",
         "Backbone blocks whose outputs feed the segmentation head.",
-        choices=("last", "four_last", "four_even_intervals"),
+        choices=OUT_LAYER_SETS,
     )
     attention: str = opt(
         "sdpa", "Attention kernel ('auto' picks fa4 when available).",
-        choices=("sdpa", "fa4", "auto"),
+        choices=ATTENTION_BACKENDS,
     )
 
 
@@ -474,7 +476,7 @@ class Inference:
         "gaussian", "Blending of overlapping windows.", choices=("gaussian", "constant")
     )
     batch_size: int = opt(8, "Windows per forward pass (per rank).", min=1)
-    threshold: float = opt(0.5, "Probability above which a voxel is foreground.",
+    threshold: float = opt(PROBABILITY_THRESHOLD, "Probability above which a voxel is foreground.",
                            check=FRACTION)
     tta_flips: bool = opt(
         False, "Test-time augmentation: average each window's probabilities over every "
@@ -483,7 +485,7 @@ class Inference:
     planes: str = opt(
         "z", "2D models on 3D volumes: 'z' predicts yx planes along z; 'zyx' also predicts zx "
         "and zy planes and averages the three (isotropic data.voxel_size only; 3D models "
-        "ignore it).", choices=("z", "zyx"))
+        "ignore it).", choices=PLANES)
     # Post-processing of the masks (torchtitan/postprocess.py): validation reports it as
     # val_post/... beside the raw val/... scores; predict.py applies it to the masks it writes.
     min_object_nm3: float = opt(

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan.checkpoint_reading import complete_steps
+from torchtitan.checkpoint_reading import complete_steps, step_folder
 from torchtitan.errors import UserError
 from torchtitan.models import backbone_config, build_backbone, list_backbones
 from torchtitan.models.inflate import ROPE_PERIODS, adapt_in_chans, inflate_state_dict_2d_to_3d
@@ -223,7 +223,7 @@ def backbones_fitting(pth_sd: dict[str, Tensor]) -> list[str]:
 def seed_checkpoint_dir(dcp_root: str | os.PathLike, backbone: str, head: str, suffix: str = "") -> Path:
     """``<dcp_root>/<backbone>_<head>[_<suffix>]/checkpoint/step-0``."""
     name = f"{backbone}_{head}" + (f"_{suffix}" if suffix else "")
-    return Path(dcp_root) / name / "checkpoint" / f"step-{SEED_STEP}"
+    return step_folder(Path(dcp_root) / name / "checkpoint", SEED_STEP)
 
 
 # ----------------------------------------------------------------------------- torch hub folder
@@ -326,7 +326,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     for folder in (path, path / "checkpoint"):
         steps = complete_steps(folder)
         if steps:
-            return folder / f"step-{steps[-1]}"
+            return step_folder(folder, steps[-1])
     raise ConversionError(
         f"--dcp {str(path)!r} is not a complete DCP checkpoint (no .metadata) and holds no "
         "complete step-N folder; point it at e.g. outputs/run/checkpoint/step-1000 or "

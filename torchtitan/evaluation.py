@@ -70,12 +70,13 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
+from torchtitan.choices import PROBABILITY_THRESHOLD
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, NEURON_CLASSES
 from torchtitan.hausdorff import hausdorff_cap, normalize_distance, truth_hausdorff
 from torchtitan.neuron_metrics import neuron_scores, pool_neuron_scores
 
 # Probabilities (and linearly resampled binary masks) above this count as foreground.
-THRESHOLD = 0.5
+THRESHOLD = PROBABILITY_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------

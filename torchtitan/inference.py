@@ -41,12 +41,12 @@ from itertools import combinations, product
 import numpy as np
 import torch
 
+from torchtitan.choices import PLANES, is_isotropic
 from torchtitan.models import predict_probabilities
 
 logger = logging.getLogger(__name__)
 
 Predict = Callable[[torch.Tensor], torch.Tensor]
-PLANES = ("z", "zyx")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def resolve_planes(planes: str, ndim: int, voxel_size: Sequence[float] | None = 
         return "z"
     if planes == "zyx" and voxel_size is not None:
         v = [float(s) for s in voxel_size]
-        if max(v) - min(v) > 1e-6 * max(v):
+        if not is_isotropic(v):
             raise ValueError(
                 f"inference.planes='zyx' needs an isotropic grid, but data.voxel_size is {v}: a 2D "
                 "model trained on yx planes would see zx and zy planes at another resolution. "

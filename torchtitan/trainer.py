@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchtitan.checkpoint import CheckpointManager, ResumePlan, plan_resume, read_best
-from torchtitan.checkpoint_reading import complete_steps
+from torchtitan.checkpoint_reading import complete_steps, step_folder
 from torchtitan.config_manager import ConfigManager, JobConfig
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch
@@ -485,7 +485,7 @@ class Trainer:
             raise NonFiniteError(
                 f"step {step}: {in_a_row} non-finite steps in a row (training.max_skipped_steps="
                 f"{limit}); stopped without saving. The last checkpoint "
-                f"({self.checkpoint.folder}/step-{latest[-1]}) is finite; lower optimizer.lr, "
+                f"({step_folder(self.checkpoint.folder, latest[-1])}) is finite; lower optimizer.lr, "
                 "check the data, or raise training.max_skipped_steps" if latest else
                 f"step {step}: {in_a_row} non-finite steps in a row (training.max_skipped_steps="
                 f"{limit}); stopped without saving (no checkpoint yet); lower optimizer.lr or "

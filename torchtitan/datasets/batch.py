@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from torchtitan.choices import EM_SCALE
+
 # Fields that travel to the device; the rest (bookkeeping and the augmentation plan, read with
 # .tolist() there) stay on the host, so that reading them costs no device sync.
 DEVICE_FIELDS = ("image", "target", "valid", "noise")
@@ -86,7 +88,7 @@ class Batch:
         out = self._map(move, DEVICE_FIELDS[1:])
         image = self.image.to(device, non_blocking=True)
         if image.dtype == torch.uint8:
-            image = image.float().div_(127.5).sub_(1.0)
+            image = image.float().div_(EM_SCALE).sub_(1.0)
         out.image = image
         return out
 

@@ -14,6 +14,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from torchtitan.choices import EM_SCALE
 from torchtitan.config_manager import Augmentation
 from torchtitan.datasets.augment import nearest_from_geometry
 from torchtitan.datasets.batch import Sample
@@ -34,7 +35,7 @@ def foreground_fraction(image: np.ndarray) -> float:
     raw uint8 or normalised EM; padding outside the volume reads as zero."""
     if image.dtype == np.uint8:
         return float(np.mean(image > 0))
-    return float(np.mean(image > -1.0 + 0.5 / 127.5))
+    return float(np.mean(image > -1.0 + 0.5 / EM_SCALE))
 
 
 def best_draw(draw_once: Callable[[], T], fraction: Callable[[T], float],
@@ -143,7 +144,7 @@ class MAESamples(SampleDataset):
         if box.geometry is None:
             return foreground_fraction(image)
         out_shape = box.valid.shape[1:]
-        raw = image if image.dtype == np.uint8 else np.rint((image + 1) * 127.5)
+        raw = image if image.dtype == np.uint8 else np.rint((image + 1) * EM_SCALE)
         return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8), box.geometry,
                                                    out_shape)))
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchtitan.choices import EM_SCALE, PLANES
 from torchtitan.config_manager import Augmentation
 from torchtitan.datasets.augment import (
     apply_flips,
@@ -102,7 +103,7 @@ def normalize_em(img: np.ndarray) -> np.ndarray:
     """uint8 intensities to roughly zero mean, unit range (float32, one pass).
     :meth:`torchtitan.datasets.batch.Batch.to` does the same on the device for samples
     shipped as uint8, bit for bit."""
-    out = np.divide(img, np.float32(127.5), dtype=np.float32)
+    out = np.divide(img, np.float32(EM_SCALE), dtype=np.float32)
     out -= np.float32(1.0)
     return out
 
@@ -253,7 +254,7 @@ class SampleDataset(Dataset):
         self.seed = seed
         self.augment = augment
         self.aug = training_augmentation(augmentation, augment)
-        if planes not in ("z", "zyx"):
+        if planes not in PLANES:
             raise DatasetError(f"data.planes must be 'z' or 'zyx', got {planes!r}")
         self.planes = planes
         self.max_resample = int(max_resample)

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torchtitan.choices import ATTENTION_BACKENDS
+
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("sdpa", "fa4", "auto")
 
 # Compute capability majors that FlashAttention-4 has kernels for: Hopper 9.x, Blackwell 10.x/11.x.
 _FA4_ARCH_MAJORS = (9, 10, 11)

@@ -21,6 +21,8 @@ from typing import Sequence
 
 from torch import nn
 
+from torchtitan.choices import num_kept_patches
+
 from .mae import MaskedAutoencoder
 from .segmentation import SegmentationModel
 from .vit import DinoVisionTransformer
@@ -74,7 +76,7 @@ def training_flops_per_sample(model: nn.Module, input_shape: Sequence[int], mask
         enc, dec = model.encoder, model.decoder
         grid = _grid(enc.ndim, enc.patch_size, input_shape)
         n = math.prod(grid)
-        n_keep = max(1, int(n * (1 - mask_ratio)))
+        n_keep = num_kept_patches(n, mask_ratio)
         flops = _vit_training_flops(enc, n, n_keep, len(enc.blocks))
         r = enc.num_prefix_tokens
         flops += linear_training_flops(r + n_keep, dec.embed.weight.numel())

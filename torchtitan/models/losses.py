@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from torchtitan.choices import MULTI_LABEL_LOSSES
+
 from .resize import resize_linear, slab_statistics
 
 LossTerms = tuple[Tensor, Tensor]  # (sum of the loss terms, their count)
@@ -298,7 +300,6 @@ _PARTS = {
     "bce_dice": (_multilabel_statistics, _multilabel_gradient, _bce_dice_finish),
     "ce": (_ce_statistics, None, _ce_finish),
 }
-MULTI_LABEL_LOSSES = ("bce", "dice", "bce_dice")  # sigmoid per class; "ce" is exclusive
 
 
 def _check_loss_name(name: str) -> None:

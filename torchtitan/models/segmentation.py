@@ -33,14 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torchtitan.choices import HEAD_IMAGE_LEVELS, OUT_LAYER_SETS
+
 from .context import SequenceShard
 from .resize import resize_linear
 from .vit import DinoVisionTransformer
 
-OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
-HEADS = ("linear", "upconv", "multiscale")
-# Image levels (full resolution, 1/2, 1/4, ...) that the convolutional heads fuse by default.
-_IMAGE_LEVELS = {"upconv": 1, "multiscale": 3}
 
 # FLOPs per multiply-accumulate, as in flops.py (which imports this module): 2 in the forward
 # pass, 4 in the backward pass (gradients of input and weight; 2 when the input needs none).
@@ -289,6 +287,16 @@ class UpConvHead(nn.Module):
 
 
 # ----------------------------------------------------------------------------- model
+# The implementation of each head name of ``torchtitan.choices.HEADS`` (the config's choices;
+# tests/test_choices.py keeps the two equal). The convolutional heads differ by their default
+# image levels (``HEAD_IMAGE_LEVELS``).
+HEAD_TYPES: dict[str, type[nn.Module]] = {
+    "linear": LinearHead,
+    "upconv": UpConvHead,
+    "multiscale": UpConvHead,
+}
+
+
 class SegmentationModel(nn.Module):
     """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
 
@@ -313,20 +321,21 @@ class SegmentationModel(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        if head not in HEADS:
-            raise ValueError(f"Unknown head {head!r}; available: {', '.join(repr(h) for h in HEADS)}")
+        if head not in HEAD_TYPES:
+            raise ValueError(f"Unknown head {head!r}; available: {', '.join(map(repr, HEAD_TYPES))}")
         self.backbone = backbone
         self.ndim = backbone.ndim
         self.num_classes = num_classes
         self.head_name = head
         self.out_indices = backbone_out_indices(len(backbone.blocks), out_layers)
         in_channels = backbone.embed_dim * len(self.out_indices)
-        if head == "linear":
+        if HEAD_TYPES[head] is LinearHead:
             self.head = LinearHead(self.ndim, in_channels, num_classes, dropout)
         else:
             self.head = UpConvHead(
                 self.ndim, in_channels, num_classes, backbone.patch_size, backbone.in_chans,
-                channels=head_channels, dropout=dropout, image_levels=head_image_levels or _IMAGE_LEVELS[head],
+                channels=head_channels, dropout=dropout,
+                image_levels=head_image_levels or HEAD_IMAGE_LEVELS[head],
             )
         if not next(self.head.parameters()).is_meta:  # on meta, init_weights runs after to_empty
             self.head.init_weights()

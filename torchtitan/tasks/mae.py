@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.datasets.augment import augment_on_device
+from torchtitan.choices import num_kept_patches
 from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
 from torchtitan.datasets.volume_source import VolumeSource, build_source
@@ -52,7 +53,7 @@ class MAETask(TaskBase):
     def _check_context_parallel(self) -> None:
         """Under context parallelism each rank encodes an equal part of the kept patches."""
         cp, m = self.cfg.training.context_parallel_degree, self.cfg.model
-        kept = max(1, int(self.num_patches() * (1 - m.mask_ratio)))  # as random_masking keeps
+        kept = num_kept_patches(self.num_patches(), m.mask_ratio)
         if cp > 1 and kept % cp:
             raise ConfigError(
                 f"'training.context_parallel_degree' = {cp} must divide the number of patches "

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchtitan.choices import EM_SCALE
 from torchtitan.config_parsing import config_to_toml
 from torchtitan.tools import exported
 from torchtitan.tools.export import (
@@ -69,7 +70,7 @@ def preprocessing(v, em_range: tuple[float, float] | None) -> list:
     datasets/samples.py ``normalize_em``) as bioimage.io operations."""
     ops = [v.EnsureDtypeDescr(kwargs=v.EnsureDtypeKwargs(dtype="float32"))]
     if em_range is None:  # uint8 EM as stored: x / 127.5 - 1
-        gain, offset = 1 / 127.5, -1.0
+        gain, offset = 1 / EM_SCALE, -1.0
     else:  # clip to [lo, hi], map onto 0..255, then as uint8
         lo, hi = em_range
         ops.append(v.ClipDescr(kwargs=v.ClipKwargs(min=lo, max=hi)))

@@ -40,7 +40,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from torchtitan.cellmap.grids import closest_level
-from torchtitan.checkpoint_reading import resolve_step_folder
+from torchtitan.checkpoint_reading import STEP_RE, resolve_step_folder
 from torchtitan.config_parsing import config_to_dict, config_to_toml
 from torchtitan.datasets.cellmap import discover, em_to_uint8_scale, read_linear, set_em_ranges
 from torchtitan.datasets.samples import crop_grid, grid_shape, normalize_em
@@ -185,7 +185,7 @@ def validation_scores(cfg, step: int | None) -> dict[str, float]:
 
 
 def _step_of(path: Path) -> int | None:
-    m = re.match(r"^step-(\d+)$", path.name)
+    m = STEP_RE.match(path.name)
     return int(m.group(1)) if m else None
 
 
