@@ -42,7 +42,7 @@ torchtitan/tools/predictor.py.
 import argparse
 import sys
 
-from torchtitan.config_manager import POSITIVE, flag_type
+from torchtitan.config.manager import POSITIVE, flag_type
 from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.logging_metrics import report_user_error, setup_logging
 

@@ -39,7 +39,7 @@ from torchtitan.convert import (
     save_seed_checkpoint,
     seed_checkpoint_dir,
 )
-from torchtitan.config_manager import flag_type
+from torchtitan.config.manager import flag_type
 from torchtitan.models import list_backbones
 from torchtitan.errors import USER_ERROR_EXIT, run_cli
 

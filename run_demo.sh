@@ -22,7 +22,7 @@ start=$(date +%s)
 python helpers/make_demo_data.py --out "$DATA"
 
 echo "== MAE pretraining ($MAE_CONFIG, $NPROC processes)"
-MAE_DUMP=$(python -c "import sys; from torchtitan.config_manager import ConfigManager as C; print(C().parse_args(sys.argv[1:]).job.dump_folder)" --job.config_file "$MAE_CONFIG" "$@")
+MAE_DUMP=$(python -c "import sys; from torchtitan.config.manager import ConfigManager as C; print(C().parse_args(sys.argv[1:]).job.dump_folder)" --job.config_file "$MAE_CONFIG" "$@")
 launch train_mae.py --job.config_file "$MAE_CONFIG" --data.dataset_path "$DATA" "$@"
 
 echo "== segmentation from the MAE encoder ($SEG_CONFIG)"
@@ -32,4 +32,4 @@ launch train_segmentation.py --job.config_file "$SEG_CONFIG" --data.dataset_path
 
 echo "== demo finished in $(( $(date +%s) - start )) s"
 echo "MAE run:          $MAE_DUMP"
-echo "segmentation run: $(python -c "import sys; from torchtitan.config_manager import ConfigManager as C; print(C().parse_args(sys.argv[1:]).job.dump_folder)" --job.config_file "$SEG_CONFIG" "$@")"
+echo "segmentation run: $(python -c "import sys; from torchtitan.config.manager import ConfigManager as C; print(C().parse_args(sys.argv[1:]).job.dump_folder)" --job.config_file "$SEG_CONFIG" "$@")"

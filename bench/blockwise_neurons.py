@@ -29,7 +29,7 @@ import scipy.ndimage as ndi
 import zarr
 
 from torchtitan.blockwise import postprocess_region
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.id_labels import boundary_mask
 from torchtitan.neuron_metrics import neuron_scores
 from torchtitan.postprocess import PostProcessing, postprocess

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.loader import build_loader
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer

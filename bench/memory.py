@@ -36,7 +36,7 @@ def worker(mode: str, backbone: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.models import SegmentationModel, build_backbone
     from torchtitan.optimizer import build_optimizer
     from torchtitan.parallelisms.parallel_dims import ParallelDims

@@ -34,7 +34,7 @@ import argparse
 import sys
 import time
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.errors import UserError
 from torchtitan.postprocess import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure

@@ -163,8 +163,8 @@ def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
 def finished_run(dump: Path, flags: list[str]) -> bool:
     """Whether ``dump`` holds a run of exactly the config that ``flags`` resolve to (its
     first launch's ``config.toml``), validated at its last step."""
-    from torchtitan.config_manager import ConfigManager
-    from torchtitan.config_parsing import config_to_dict, read_toml
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.config.parsing import config_to_dict, read_toml
 
     saved = dump / "config.toml"
     if not saved.is_file() or not (dump / "logs" / "metrics.jsonl").is_file():

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.volume_source import build_source
 from torchtitan.evaluation import combine_scores, validation_scores
 from torchtitan.logging_metrics import MetricLogger

@@ -43,7 +43,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.samples import CropReader, crop_grid
 from torchtitan.datasets.targets import annotates
-from torchtitan.config_manager import flag_type
+from torchtitan.config.manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
 from torchtitan.tools.cli import parse_classes, parse_voxel_size, script_parser
 from torchtitan.tools.label_crops import all_crops, find_crop, load_sources

@@ -18,7 +18,7 @@ from torchtitan.tools.demo_data import (
     preview_png,
     summarize_demo_data,
 )
-from torchtitan.config_manager import flag_type
+from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli
 
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from torchtitan.datasets.cellmap import DatasetError
-from torchtitan.config_manager import flag_type
+from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli
 from torchtitan.tools.cli import (
     add_gif_args,

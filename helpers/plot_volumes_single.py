@@ -19,7 +19,7 @@ does. Values above 0.5 count as present (binary masks, probabilities or instance
 import argparse
 import sys
 
-from torchtitan.config_manager import flag_type
+from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli
 from torchtitan.tools.cli import add_gif_args, parse_classes, parse_voxel_size, script_parser, write_gif
 from torchtitan.tools.label_crops import (

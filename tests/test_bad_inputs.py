@@ -662,7 +662,7 @@ def test_second_run_into_a_live_runs_folder_stops(demo_data, tmp_path, nproc):
     import socket
     import time
 
-    from torchtitan.checkpoint_reading import complete_steps
+    from torchtitan.checkpoint.reading import complete_steps
 
     dump = tmp_path / "run"
     common = ["--job.config_file", SEG2D, "--data.dataset_path", str(demo_data),
@@ -712,7 +712,7 @@ def test_read_only_output_folders_are_named(call_ctx, tmp_path, capsys):
                         + ["--crops", "crop1", "--out", str(locked / "p.zarr")])
         assert rc == 2
         assert f"--out {locked / 'p.zarr'}: {locked} is not writable" in capsys.readouterr().err
-        from torchtitan.run_lock import DumpFolderLock
+        from torchtitan.checkpoint.run_lock import DumpFolderLock
 
         with pytest.raises(UserError, match=f"job.dump_folder {locked / 'run'} cannot be written"):
             DumpFolderLock(locked / "run", 0, 5).acquire()

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch, Sample, collate
 from torchtitan.datasets.samples import normalize_em

@@ -200,7 +200,7 @@ def _score_command(predictions: Path, groundtruth: Path, out: Path, *extra: str)
 
 
 def test_validation_logs_what_the_scoring_command_prints(store, tmp_path):
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.tasks.base import ValidationContext
     from torchtitan.tasks.segmentation import SegmentationTask
 

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from conftest import launch, read_jsonl, train_losses
-from torchtitan.checkpoint_reading import checkpoint_keys
+from torchtitan.checkpoint.reading import checkpoint_keys
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan import choices
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.samples import normalize_em
 from torchtitan.models import build_backbone

@@ -1,4 +1,4 @@
-"""Tests of torchtitan.config_manager: defaults, TOML, CLI overrides, errors, save/load, help."""
+"""Tests of torchtitan.config.manager: defaults, TOML, CLI overrides, errors, save/load, help."""
 
 import ast
 import dataclasses
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from torchtitan.config_manager import (
+from torchtitan.config.manager import (
     ConfigManager,
     JobConfig,
     config_to_dict,
@@ -575,7 +575,7 @@ def test_short_help_exits_zero_even_with_other_args(capsys):
 
 
 def test_help_in_subprocess():
-    code = "from torchtitan.config_manager import ConfigManager; ConfigManager().parse_args()"
+    code = "from torchtitan.config.manager import ConfigManager; ConfigManager().parse_args()"
     result = subprocess.run(
         [sys.executable, "-c", code, "--help"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
@@ -585,13 +585,13 @@ def test_help_in_subprocess():
 
 
 def test_module_imports_nothing_of_ours():
-    """Floor 1: the config modules (config_manager and the config_* modules beside it) import
-    only the standard library, tomli_w, each other and the ground floor (errors, choices)."""
-    import torchtitan.config_manager as module
+    """Floor 1: the config package's modules import only the standard library, tomli_w, each
+    other and the ground floor (errors, choices)."""
+    import torchtitan.config.manager as module
 
     folder = os.path.dirname(module.__file__)
     files = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-             if name.startswith("config_") and name.endswith(".py")]
+             if name.endswith(".py")]
     assert len(files) >= 2
     imported = set()
     for path in files:
@@ -602,8 +602,8 @@ def test_module_imports_nothing_of_ours():
                 assert node.level == 0, f"relative import in {path}"
                 imported.add(node.module)
     ours = {name for name in imported if name.split(".")[0] == "torchtitan"}
-    assert ours <= {"torchtitan.config_parsing", "torchtitan.config_checks",
-                    "torchtitan.config_manager", "torchtitan.errors", "torchtitan.choices"}
+    assert ours <= {"torchtitan.config.parsing", "torchtitan.config.checks",
+                    "torchtitan.config.manager", "torchtitan.errors", "torchtitan.choices"}
     outside_stdlib = {name.split(".")[0] for name in imported - ours} - set(sys.stdlib_module_names)
     assert outside_stdlib == {"tomli_w"}
 

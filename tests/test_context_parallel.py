@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_same_losses, launch, train_losses
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
 

@@ -17,7 +17,7 @@ import torch
 import zarr
 
 from conftest import launch, read_jsonl
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.datasets.cellmap import (
     ChunkReadError,

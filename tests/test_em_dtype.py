@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data

@@ -10,7 +10,7 @@ or an ``if TYPE_CHECKING`` block too: a lazy import is still an import). Then:
   of ours;
 * the CellMap domain (``torchtitan/cellmap/``, floor 2) imports nothing of ours but
   ``errors`` (not the config schema);
-* the config (``config_manager`` and the ``config_*`` modules it is built from, floor 1)
+* the config (the ``config`` package: the schema, its parsing and checks, floor 1)
   imports nothing of ours but itself and ``errors``;
 * more generally, no module imports a module on a floor above its own (``FLOORS``), and on
   floor 3 models and datasets know nothing of each other.
@@ -93,7 +93,7 @@ def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
 
 def within(name: str, prefix: str) -> bool:
     """Whether module ``name`` is ``prefix`` or inside it; ``prefix`` may end in a shell
-    pattern (``torchtitan.config_*``: every ``config_...`` module or package)."""
+    pattern (``torchtitan.tools*``: every module or package whose name starts so)."""
     parts = prefix.split(".")
     return fnmatch.fnmatchcase(".".join(name.split(".")[: len(parts)]), prefix) and \
         len(name.split(".")) >= len(parts)
@@ -130,7 +130,7 @@ def core_importing_tools(graph: dict[str, set[str]], package: str = PACKAGE) -> 
 # The rules, on the real package
 # ---------------------------------------------------------------------------------------------
 
-CONFIG = f"{PACKAGE}.config_*"  # config_manager and the config_* modules behind it
+CONFIG = f"{PACKAGE}.config"  # the schema, its parsing and its checks
 ERRORS = f"{PACKAGE}.errors"  # the ground floor
 CHOICES = f"{PACKAGE}.choices"  # the ground floor: names and facts several floors share
 
@@ -174,9 +174,9 @@ def test_the_domain_imports_nothing_above_it(graph):
 
 
 def test_config_imports_nothing_of_ours(graph):
-    """Floor 1: the config (``config_manager`` and the ``config_*`` modules it is built from)
+    """Floor 1: the config (the ``config`` package: the schema, its parsing and checks)
     imports nothing of ours but itself, the errors and the shared names."""
-    assert f"{PACKAGE}.config_manager" in graph
+    assert f"{PACKAGE}.config.manager" in graph
     assert violations(graph, CONFIG, (ERRORS, CHOICES)) == {}
 
 
@@ -198,15 +198,11 @@ FLOORS = {
     f"{PACKAGE}.neurons": 3,  # instances cut apart by predicted membranes (beside postprocess)
     f"{PACKAGE}.scoring": 3,  # scoring prediction stores (python -m torchtitan.evaluation)
     f"{PACKAGE}.parallelisms": 4,
-    f"{PACKAGE}.checkpoint": 4,
-    f"{PACKAGE}.checkpoint_reading": 4,  # step folders, stored keys, model weights
-    f"{PACKAGE}.launch_history": 4,  # a run's resolved configs, resume check (beside checkpoint)
+    f"{PACKAGE}.checkpoint": 4,  # saving, reading, launch history, run lock, preemption
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.logging_metrics": 4,
     f"{PACKAGE}.inference": 4,
     f"{PACKAGE}.convert": 4,  # .pth -> DCP seed checkpoints (beside checkpoint)
-    f"{PACKAGE}.preemption": 5,
-    f"{PACKAGE}.run_lock": 5,  # one run per dump folder (beside preemption)
     f"{PACKAGE}.trainer": 5,
     f"{PACKAGE}.tasks": 5,
     f"{PACKAGE}.tools": 6,
@@ -261,8 +257,9 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 CLEAN = {
     "torchtitan/__init__.py": "",
-    "torchtitan/config_manager.py": "import os\nfrom .config_parsing import parse\n",
-    "torchtitan/config_parsing.py": "import tomllib\nfrom torchtitan.errors import E\n",
+    "torchtitan/config/__init__.py": "",
+    "torchtitan/config/manager.py": "import os\nfrom .parsing import parse\n",
+    "torchtitan/config/parsing.py": "import tomllib\nfrom torchtitan.errors import E\n",
     "torchtitan/errors.py": "import sys\n",
     "torchtitan/cellmap/__init__.py": "from .labels import rule\n",
     "torchtitan/cellmap/labels.py": "from torchtitan.errors import os\nrule = 1\n",
@@ -282,7 +279,7 @@ def test_walker_resolves_absolute_relative_and_from_package_imports(tmp_path):
     assert g["torchtitan.tasks.seg"] == {"torchtitan", "torchtitan.evaluation", "torchtitan.tasks",
                                          "torchtitan.tasks.base"}
     assert g["torchtitan.tools.pictures"] == {"torchtitan.tasks", "torchtitan.tasks.seg"}
-    assert g["torchtitan.config_manager"] == {"torchtitan.config_parsing"}
+    assert g["torchtitan.config.manager"] == {"torchtitan.config.parsing"}
     assert core_importing_tools(g) == {}
     assert violations(g, ERRORS, ()) == {}
     assert violations(g, "torchtitan.cellmap", (ERRORS,)) == {}
@@ -311,13 +308,13 @@ def test_upward_imports_are_found(tmp_path):
     ("torchtitan/cellmap/labels.py", "from torchtitan.evaluation import x\n", "cellmap"),
     ("torchtitan/cellmap/labels.py", "from .. import evaluation\n", "cellmap"),
     ("torchtitan/cellmap/__init__.py", "from ..tasks.seg import x\n", "cellmap"),
-    ("torchtitan/cellmap/labels.py", "from torchtitan.config_manager import x\n", "cellmap"),
+    ("torchtitan/cellmap/labels.py", "from torchtitan.config.manager import x\n", "cellmap"),
     # The config importing anything of ours but the errors.
-    ("torchtitan/config_manager.py", "from torchtitan.cellmap import x\n", "config"),
-    ("torchtitan/config_manager.py", "from . import cellmap\n", "config"),
-    ("torchtitan/config_parsing.py", "import torchtitan.evaluation\n", "config"),
+    ("torchtitan/config/manager.py", "from torchtitan.cellmap import x\n", "config"),
+    ("torchtitan/config/manager.py", "from .. import cellmap\n", "config"),
+    ("torchtitan/config/parsing.py", "import torchtitan.evaluation\n", "config"),
     # The errors importing anything of ours.
-    ("torchtitan/errors.py", "from torchtitan.config_manager import x\n", "errors"),
+    ("torchtitan/errors.py", "from torchtitan.config.manager import x\n", "errors"),
     ("torchtitan/errors.py", "from . import cellmap\n", "errors"),
 ])
 def test_each_rule_fails_on_a_forbidden_import(tmp_path, path, source, rule):

@@ -23,7 +23,7 @@ from PIL import Image
 from conftest import SHARED
 from torchtitan.cellmap.labels import LabelEncoding
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.datasets.id_labels import boundary_mask

@@ -23,7 +23,7 @@ from PIL import Image
 from conftest import REPO, SHARED, script_module
 from torchtitan.cellmap.labels import LabelEncoding, label_to_target
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales, stored_intensity_range
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.datasets.image_stack import natural_key

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, _env, launch, read_jsonl
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
 from torchtitan.inference import (
     blending_norm,

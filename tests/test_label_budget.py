@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_sampling_augment import make_store, write_labels
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.datasets.loader import load_segmentation_data
 from torchtitan.datasets.volume_source import build_source

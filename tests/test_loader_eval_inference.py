@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.cellmap import DatasetError
 from torchtitan.datasets.loader import (
     GlobalBatchSampler,

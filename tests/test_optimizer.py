@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
 from torchtitan.models import build_backbone
 from torchtitan.models.segmentation import SegmentationModel

@@ -10,7 +10,7 @@ import zarr
 
 from conftest import debug_run, launch, read_jsonl
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
 from torchtitan.evaluation import label_instances
 from torchtitan.postprocess import (

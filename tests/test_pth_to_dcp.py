@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, _env, launch, script_module
-from torchtitan.checkpoint_reading import checkpoint_keys
+from torchtitan.checkpoint.reading import checkpoint_keys
 from torchtitan.models import build_backbone
 from torchtitan.models.inflate import (
     adapt_in_chans,
@@ -420,8 +420,8 @@ def test_hub_folder_without_backbones_and_source_options(tmp_path, capsys):
 
 def _manager(dump, *flags):
     """A CheckpointManager over a small segmentation model, as the trainer builds it."""
-    from torchtitan.checkpoint import CheckpointManager
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.checkpoint.manager import CheckpointManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.models import SegmentationModel
     from torchtitan.optimizer import build_lr_scheduler, build_optimizer
     from torchtitan.trainer import TrainState
@@ -456,7 +456,7 @@ def test_resume_starts_from_a_seed_in_the_runs_own_folder(seeded_run, caplog):
 
     manager, model = _manager(seeded_run)
     head_before = {k: v.clone() for k, v in model.head.state_dict().items()}
-    with caplog.at_level("INFO", logger="torchtitan.checkpoint"):
+    with caplog.at_level("INFO", logger="torchtitan.checkpoint.manager"):
         assert manager.resume() == 0
     assert "head. left as initialised" in caplog.text
     seed = read_model_weights(seeded_run / "checkpoint" / "step-0")

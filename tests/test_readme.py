@@ -378,7 +378,7 @@ def _config_keys() -> dict[str, type]:
     """'section.key' -> type for every field of JobConfig (walks the dataclasses)."""
     import typing
 
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
     keys = {}
     sections = typing.get_type_hints(JobConfig)
@@ -391,7 +391,7 @@ def _config_keys() -> dict[str, type]:
 
 
 def _config_problems(args: list[str]) -> list[str]:
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.errors import ConfigError
 
     keys = _config_keys()
@@ -420,7 +420,7 @@ def _config_problems(args: list[str]) -> list[str]:
 
 
 def _toml_problems(path: str) -> list[str]:
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.errors import ConfigError
 
     try:

@@ -77,7 +77,7 @@ from contextlib import contextmanager
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torchtitan.checkpoint import CheckpointManager
+from torchtitan.checkpoint.manager import CheckpointManager
 from torchtitan.tasks import SegmentationTask
 from torchtitan.trainer import run
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import launch, read_jsonl
-from torchtitan.config_manager import ConfigManager
+from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.loader import (
     build_loader,
     build_segmentation_samples,

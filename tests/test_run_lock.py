@@ -1,5 +1,5 @@
-"""The dump-folder lock (torchtitan/run_lock.py): real lock files, and real processes as their
-holders, alive or gone. The end-to-end cases (a second training into a live run's folder,
+"""The dump-folder lock (torchtitan/checkpoint/run_lock.py): real lock files, and real
+processes as their holders, alive or gone. The end-to-end cases (a second training into a live run's folder,
 restarts after SIGKILL and requeues) are in test_bad_inputs.py and test_reliability_loop.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import asdict
 import pytest
 
 from torchtitan.errors import ConfigError
-from torchtitan.run_lock import (
+from torchtitan.checkpoint.run_lock import (
     LOCK_NAME,
     STALE_AFTER_S,
     DumpFolderBusy,

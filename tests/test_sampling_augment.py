@@ -15,7 +15,7 @@ import scipy.ndimage as ndi
 import torch
 import zarr
 
-from torchtitan.config_manager import Augmentation
+from torchtitan.config.manager import Augmentation
 from torchtitan.datasets.cellmap import DatasetError, discover
 from torchtitan.cellmap.classes import (
     CLASS_PARTS,
@@ -521,7 +521,7 @@ def test_corrupt_chunk_is_replaced_and_counted(tmp_path, caplog, what):
 
 
 def test_samples_kwargs_from_config():
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
 
     cfg = ConfigManager().parse_args([
         "--job.config_file", "train_configs/debug_segmentation_2d.toml",
@@ -537,7 +537,7 @@ def test_samples_kwargs_from_config():
 def test_validation_scores_stored_instance_ids(tmp_path):
     """Two touching nuclei stored with ids 1 and 2: validation keeps them apart (2 true
     instances), as the scoring command does, where connected components would merge them."""
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.evaluation import score_crop
     from torchtitan.tasks.segmentation import SegmentationTask
 

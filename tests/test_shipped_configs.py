@@ -106,7 +106,7 @@ COMBOS = [(attention, ac) for attention in ("sdpa", "auto")
 def test_compiled_blocks_see_a_fixed_attention_backend(attention, ac):
     """The trainer's order on one process: resolve attention, then AC, then compile; the
     compiled model (fullgraph blocks) trains and matches the eager one."""
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
     from torchtitan.models import build_backbone, resolve_attention_backend, use_attention
     from torchtitan.models.segmentation import SegmentationModel
     from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -150,7 +150,7 @@ def test_compiled_blocks_see_a_fixed_attention_backend(attention, ac):
 def test_gpu_smoke_dry_run_lists_every_cluster_config():
     """``bench/gpu_smoke.sh --dry-run`` prints one torchrun command per cluster config, each
     of which parses as a valid configuration."""
-    from torchtitan.config_manager import ConfigManager
+    from torchtitan.config.manager import ConfigManager
 
     result = subprocess.run(["bash", "bench/gpu_smoke.sh", "--dry-run", "--nproc", "4"],
                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)

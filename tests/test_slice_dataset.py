@@ -19,7 +19,7 @@ from conftest import REPO, debug_run, launch, read_jsonl, script_module
 
 datasets = pytest.importorskip("datasets")
 
-from torchtitan.config_manager import ConfigManager  # noqa: E402
+from torchtitan.config.manager import ConfigManager  # noqa: E402
 from torchtitan.datasets.cellmap import DatasetError, discover  # noqa: E402
 from torchtitan.datasets.loader import build_segmentation_samples  # noqa: E402
 from torchtitan.datasets.samples import crop_grid, normalize_em  # noqa: E402

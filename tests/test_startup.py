@@ -127,7 +127,7 @@ def test_optimizer_state_for_a_resume_is_made_one_parameter_at_a_time():
     leaving the weights and learning rates as they were."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state, get_optimizer_state_dict
 
-    from torchtitan.checkpoint import _init_optimizer_state
+    from torchtitan.checkpoint.manager import _init_optimizer_state
 
     def make():
         torch.manual_seed(0)

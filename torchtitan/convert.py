@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan.checkpoint_reading import complete_steps, step_folder
+from torchtitan.checkpoint.reading import complete_steps, step_folder
 from torchtitan.errors import UserError
 from torchtitan.models import backbone_config, build_backbone, list_backbones
 from torchtitan.models.inflate import ROPE_PERIODS, adapt_in_chans, inflate_state_dict_2d_to_3d

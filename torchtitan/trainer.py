@@ -28,14 +28,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torchtitan.checkpoint import CheckpointManager, ResumePlan, plan_resume, read_best
-from torchtitan.checkpoint_reading import complete_steps, step_folder
-from torchtitan.config_manager import ConfigManager, JobConfig
+from torchtitan.checkpoint.manager import CheckpointManager, ResumePlan, plan_resume, read_best
+from torchtitan.checkpoint.reading import complete_steps, step_folder
+from torchtitan.config.manager import ConfigManager, JobConfig
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, CheckpointError, ConfigError, UserError
-from torchtitan.launch_history import check_resume_compatible, save_launch_config
+from torchtitan.checkpoint.launch_history import check_resume_compatible, save_launch_config
 from torchtitan.logging_metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
@@ -50,7 +50,7 @@ from torchtitan.parallelisms.parallelize import (
 )
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.parallelisms.seeded_init import init_model
-from torchtitan.preemption import (
+from torchtitan.checkpoint.preemption import (
     NONFINITE_EXIT_CODE,
     REQUEUE_EXIT_CODE,
     NonFiniteError,
@@ -59,7 +59,7 @@ from torchtitan.preemption import (
     requeue_marker,
     restarted_after_requeue,
 )
-from torchtitan.run_lock import DumpFolderLock
+from torchtitan.checkpoint.run_lock import DumpFolderLock
 from torchtitan.tasks.base import Task, ValidationContext
 
 logger = logging.getLogger("torchtitan")
@@ -545,7 +545,7 @@ def run(make_task, argv: list[str] | None = None) -> int:
         if restarted_after_requeue(cfg.job.dump_folder):
             return REQUEUE_EXIT_CODE
         if cfg.job.print_config and rank == 0:
-            from torchtitan.config_manager import config_to_toml
+            from torchtitan.config.manager import config_to_toml
 
             print(config_to_toml(cfg))
         task = make_task(cfg)

@@ -29,12 +29,12 @@ import scipy.ndimage as ndi
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config_manager import Augmentation
+from torchtitan.config.manager import Augmentation
 from torchtitan.datasets.batch import Batch
 
 
 # Which augmentations are on and how strong is the config's ``[augmentation]`` section
-# (:class:`~torchtitan.config_manager.Augmentation`); what follows from it is derived here.
+# (:class:`~torchtitan.config.manager.Augmentation`); what follows from it is derived here.
 
 
 def training_augmentation(augmentation: Augmentation | None, augment: bool) -> Augmentation:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchtitan.choices import EM_SCALE
-from torchtitan.config_manager import Augmentation
+from torchtitan.config.manager import Augmentation
 from torchtitan.datasets.augment import nearest_from_geometry
 from torchtitan.datasets.batch import Sample
 from torchtitan.datasets.cellmap import DatasetError, EMSource, LabelCrop

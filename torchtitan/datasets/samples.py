@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan.choices import EM_SCALE, PLANES
-from torchtitan.config_manager import Augmentation
+from torchtitan.config.manager import Augmentation
 from torchtitan.datasets.augment import (
     apply_flips,
     axis_map,

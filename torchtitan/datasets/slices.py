@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from torchtitan.config_manager import Augmentation
+from torchtitan.config.manager import Augmentation
 from torchtitan.datasets import slices_original
 from torchtitan.datasets.augment import (
     apply_flips,

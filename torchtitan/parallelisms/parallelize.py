@@ -2,7 +2,7 @@
 
 Context parallelism (``context_parallel.py``) comes first: it only tells the model's layers
 which group splits the sequence. FSDP then shards over ``dp_shard`` x ``cp``. CP does not
-combine with TP (config_checks refuses it).
+combine with TP (config.checks refuses it).
 
 Models are single-device code that expose their transformer blocks as ``nn.ModuleList``s
 named ``blocks`` (``backbone.blocks``, ``encoder.blocks``, ``decoder.blocks``). Everything here

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from torchtitan.choices import EM_SCALE
-from torchtitan.config_parsing import config_to_toml
+from torchtitan.config.parsing import config_to_toml
 from torchtitan.tools import exported
 from torchtitan.tools.export import (
     Card,

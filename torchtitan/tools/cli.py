@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from torchtitan.cellmap.classes import check_class_names
-from torchtitan.config_manager import flag_type
+from torchtitan.config.manager import flag_type
 from torchtitan.errors import UserError
 from torchtitan.tools.visualization import save_gif
 

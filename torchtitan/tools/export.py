@@ -40,8 +40,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from torchtitan.cellmap.grids import closest_level
-from torchtitan.checkpoint_reading import STEP_RE, resolve_step_folder
-from torchtitan.config_parsing import config_to_dict, config_to_toml
+from torchtitan.checkpoint.reading import STEP_RE, resolve_step_folder
+from torchtitan.config.parsing import config_to_dict, config_to_toml
 from torchtitan.datasets.cellmap import discover, em_to_uint8_scale, read_linear, set_em_ranges
 from torchtitan.datasets.samples import crop_grid, grid_shape, normalize_em
 from torchtitan.errors import UserError

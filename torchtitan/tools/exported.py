@@ -157,7 +157,7 @@ def build_network(model: dict, classes: list[str]) -> torch.nn.Module:
     the run's ``[model]`` section) builds for ``classes``, with SDPA attention, in eval mode
     on the CPU; with the background channel for the "ce" loss. The architecture of the
     bioimage.io package's state dict, and what the hub folder's weights load into."""
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
     from torchtitan.models import use_attention
     from torchtitan.tasks import SegmentationTask
 

@@ -86,8 +86,8 @@ from torchtitan.cellmap.ome_ngff import (
     pyramid_steps,
     write_pyramid,
 )
-from torchtitan.checkpoint_reading import complete_steps, load_model_weights, resolve_step_folder
-from torchtitan.config_manager import ConfigManager
+from torchtitan.checkpoint.reading import complete_steps, load_model_weights, resolve_step_folder
+from torchtitan.config.manager import ConfigManager
 from torchtitan.convert import load_pth_state_dict
 from torchtitan.datasets.cellmap import (
     DatasetError,

@@ -21,7 +21,7 @@ is redistributed to ordinary shards around each save and load (``to_storage_layo
 TP checkpoint loads under any parallelism and vice versa.
 
 Reading checkpoints (the step folders, their keys, model weights through prefix maps) is
-:mod:`torchtitan.checkpoint_reading`.
+:mod:`torchtitan.checkpoint.reading`.
 
 What a start loads is decided first (:func:`plan_resume`), before the model is initialised:
 the trainer initialises only what the plan does not restore (nothing, on a resume of the
@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from torchtitan.checkpoint_reading import (
+from torchtitan.checkpoint.reading import (
     check_seed_shapes,
     check_stored_shapes,
     checkpoint_keys,

@@ -1,12 +1,12 @@
 """Reading distributed checkpoints: a run's step folders, what a checkpoint stores, and model
 weights loaded from one, strictly, through prefix maps.
 
-:mod:`torchtitan.checkpoint` saves and resumes a run's full training state with these;
+:mod:`torchtitan.checkpoint.manager` saves and resumes a run's full training state with these;
 ``predict.py``, the converters and seed loading use them to read weights alone. A key of the
 checkpoint is ``model.<model key>``; a prefix map ``SOURCE=TARGET`` renames the checkpoint's
 ``model.SOURCE*`` to the model's ``TARGET*`` (an MAE encoder into a segmentation backbone).
 
-Floor 4, beside :mod:`torchtitan.checkpoint`.
+Floor 4, beside :mod:`torchtitan.checkpoint.manager`.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ expected, so that a bad config fails before any process group is started.
 
 This module is the public face of the config floor: the schema, :class:`ConfigManager`, and
 the names the rest of the code imports (saving, validation), which live beside it in
-:mod:`torchtitan.config_parsing` (TOML and command line into checked dataclasses, ``--help``,
-the TOML round trip) and :mod:`torchtitan.config_checks` (rules across options). Import them
+:mod:`torchtitan.config.parsing` (TOML and command line into checked dataclasses, ``--help``,
+the TOML round trip) and :mod:`torchtitan.config.checks` (rules across options). Import them
 from here. The errors are :mod:`torchtitan.errors`'s.
 
 Floor 1: the config modules import only the standard library, ``tomli_w``, each other and
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 from torchtitan.choices import (ATTENTION_BACKENDS, HEADS, LOSSES, OUT_LAYER_SETS, PLANES,
                                 PROBABILITY_THRESHOLD)
-from torchtitan.config_checks import config_warnings, validate
-from torchtitan.config_parsing import (
+from torchtitan.config.checks import config_warnings, validate
+from torchtitan.config.parsing import (
     COMMAND_LINE,
     Rule,
     config_to_dict,
@@ -50,8 +50,8 @@ from torchtitan.config_parsing import (
     parse_layers,
     save_config,
 )
-from torchtitan.config_parsing import _Option
-from torchtitan.config_parsing import help_text as _help_text
+from torchtitan.config.parsing import _Option
+from torchtitan.config.parsing import help_text as _help_text
 
 __all__ = [
     "COMMAND_LINE",
@@ -143,7 +143,7 @@ class Training:
     preemption_signals: list[str] = opt(
         ["SIGTERM", "SIGUSR1"],
         "Signals that make the run save a checkpoint at the next step boundary and exit with "
-        "the requeue code 3 (torchtitan.preemption.REQUEUE_EXIT_CODE); [] keeps the default "
+        "the requeue code 3 (torchtitan.checkpoint.preemption.REQUEUE_EXIT_CODE); [] keeps the default "
         "actions. Under torchrun add SIGUSR1 to --signals_to_handle (helpers/slurm_launch.sh).",
         check=_entries_in("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"),
     )

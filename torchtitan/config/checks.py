@@ -1,7 +1,7 @@
 """Checks of a whole configuration that are ours, not a parser's: rules that relate several
 options (crop size vs. patch size, class weights vs. classes, ...), options that could not
 take effect, and startup warnings. (A run's launch history in its dump folder is
-:mod:`torchtitan.launch_history`.)
+:mod:`torchtitan.checkpoint.launch_history`.)
 
 Floor 1: imports only the standard library, the other config modules and
 :mod:`torchtitan.errors`.
@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan.choices import HEAD_IMAGE_LEVELS, is_isotropic
-from torchtitan.config_parsing import field_problems
+from torchtitan.config.parsing import field_problems
 from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 
 # ---------------------------------------------------------------------------------------

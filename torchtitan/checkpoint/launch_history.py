@@ -6,7 +6,7 @@ the first, ``config.launch-2.toml``, ``config.launch-3.toml``, ... for later one
 launch resumes, its model-shaping keys are compared with the latest launch's, so that loading
 checkpoints of another model fails with one message instead of a traceback inside DCP.
 
-Floor 4, beside :mod:`torchtitan.checkpoint`; reads and writes configs through the config floor.
+Floor 4, beside :mod:`torchtitan.checkpoint.manager`; reads and writes configs through the config floor.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from torchtitan.config_parsing import config_to_dict, format_value, read_toml, save_config
+from torchtitan.config.parsing import config_to_dict, format_value, read_toml, save_config
 from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 # Keys that decide the model's parameters (their names and shapes) or what its output channels
 # mean: a run's checkpoints only fit a model built with the same values. Per task; others

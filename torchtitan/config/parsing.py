@@ -1,4 +1,4 @@
-"""The machinery behind :mod:`torchtitan.config_manager`: from TOML and the command line to
+"""The machinery behind :mod:`torchtitan.config.manager`: from TOML and the command line to
 checked dataclasses, ``--help``, and the TOML round trip.
 
 It knows nothing of the schema beyond its shape: a top-level dataclass whose fields are
