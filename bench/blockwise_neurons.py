@@ -31,7 +31,7 @@ import zarr
 from torchtitan.blockwise import postprocess_region
 from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.id_labels import boundary_mask
-from torchtitan.neuron_metrics import neuron_scores
+from torchtitan.scoring.neuron_metrics import neuron_scores
 from torchtitan.postprocess import PostProcessing, postprocess
 
 REPO = Path(__file__).resolve().parents[1]

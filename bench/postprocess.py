@@ -11,7 +11,7 @@ Trains nothing. For every predicted crop that has ground truth and every class i
 the probabilities (``predict.py --probabilities``) are put on the class's ground-truth grid
 (linear interpolation, as the scoring command does) and thresholded at 0.5; then each
 post-processing setting of :mod:`torchtitan.postprocess` is applied on that grid with its voxel
-size, and every result is scored with the metrics of :mod:`torchtitan.evaluation` (the
+size, and every result is scored with the metrics of :mod:`torchtitan.scoring.metrics` (the
 validation's own). Semantic counts are pooled over crops; instance F1 and score are averaged
 over the crops that annotate the class.
 
@@ -38,7 +38,7 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.errors import UserError
 from torchtitan.postprocess import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
-from torchtitan.scoring import open_submission, prediction_level, read_truth
+from torchtitan.scoring.stores import open_submission, prediction_level, read_truth
 
 
 def _floats(text: str) -> list[float]:

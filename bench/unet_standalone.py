@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.volume_source import build_source
-from torchtitan.evaluation import combine_scores, validation_scores
+from torchtitan.scoring.metrics import combine_scores, validation_scores
 from torchtitan.logging_metrics import MetricLogger
 from torchtitan.postprocess import PostProcessing
 from torchtitan.tasks.segmentation import score_prediction

@@ -535,7 +535,7 @@ def call_entry(entry: str, argv: list[str]) -> int:
 
         return predict.main(argv)
     if entry == "score":
-        from torchtitan.evaluation import main
+        from torchtitan.scoring.stores import main
 
         return main(argv)
     module = script_module(entry) if entry.endswith(".py") else importlib.import_module(entry)

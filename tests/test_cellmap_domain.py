@@ -23,7 +23,7 @@ from torchtitan.datasets.cellmap import EM_GROUP, GT_GROUP, discover
 from torchtitan.datasets.samples import SegmentationSamples
 from torchtitan.datasets.targets import compose_targets, groups_to_read, read_instance_ids, read_raw
 from torchtitan.tools.label_crops import read_crop_volume
-from torchtitan.tools.scoring import read_truth
+from torchtitan.scoring.stores import read_truth
 
 REPO = Path(__file__).resolve().parents[1]
 VOXEL = (8.0, 8.0, 8.0)

@@ -39,7 +39,7 @@ import zarr
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.cellmap.labels import annotation_attrs
 from torchtitan.cellmap.ome_ngff import write_multiscale_array_group
-from torchtitan.evaluation import instance_scores
+from torchtitan.scoring.metrics import instance_scores
 
 REPO = Path(__file__).resolve().parents[1]
 VOXEL = (8.0, 8.0, 8.0)
@@ -192,7 +192,7 @@ def _write_predictions(path: Path, masks: dict[str, dict[str, np.ndarray]]) -> P
 
 
 def _score_command(predictions: Path, groundtruth: Path, out: Path, *extra: str):
-    proc = subprocess.run([sys.executable, "-m", "torchtitan.evaluation", "--predictions",
+    proc = subprocess.run([sys.executable, "-m", "torchtitan.scoring", "--predictions",
                            str(predictions), "--groundtruth", str(groundtruth), "--out", str(out),
                            *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -248,7 +248,7 @@ def test_a_half_with_no_class_is_not_scored(store, tmp_path, capsys):
     """Scoring only instance classes (or only semantic ones): the missing half says so, and a
     perfect prediction scores 1, not sqrt(1 x 0). (The command's main, in process: the run
     above covers the module entry.)"""
-    from torchtitan.evaluation import main
+    from torchtitan.scoring.stores import main
 
     perfect = {crop: {c: truth for c, (truth, _) in by_class.items()} for crop, by_class in CROPS.items()}
     pred = _write_predictions(tmp_path / "perfect.zarr", {

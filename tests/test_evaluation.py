@@ -15,14 +15,14 @@ import zarr
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import directed_hausdorff
 
-from torchtitan.evaluation import (
+from torchtitan.scoring.metrics import (
     combine_scores,
     instance_scores,
     label_instances,
     score_crop,
     semantic_crop_scores,
 )
-from torchtitan.hausdorff import hausdorff_distance, normalize_distance
+from torchtitan.scoring.hausdorff import hausdorff_distance, normalize_distance
 
 REPO = Path(__file__).resolve().parents[1]
 VOXEL = (40.0, 4.0, 4.0)  # strongly anisotropic (z coarser), nm
@@ -290,7 +290,7 @@ def test_cli_scores_the_ground_truth_itself_near_one(gt_root, tmp_path):
     Resampled back to each crop's grid they must agree with the truth."""
     from torchtitan.cellmap.ome_ngff import multiscales_attrs
 
-    from torchtitan.evaluation import INSTANCE_CLASSES
+    from torchtitan.scoring.metrics import INSTANCE_CLASSES
 
     pred_path = tmp_path / "pred.zarr"
     store = zarr.open_group(str(pred_path), mode="w", zarr_format=2)
@@ -356,7 +356,7 @@ def test_cli_zero_predictions_and_selection(gt_root, tmp_path):
 
 def test_cli_reports_a_missing_or_invalid_store(gt_root, tmp_path, capsys):
     """Clear errors naming the path (in process: the subprocess runs above cover the entry)."""
-    from torchtitan.tools.scoring import main
+    from torchtitan.scoring.stores import main
 
     missing = tmp_path / "nowhere.zarr"
     assert main(["--predictions", str(missing), "--groundtruth", str(gt_root)]) != 0

@@ -143,8 +143,8 @@ def graph() -> dict[str, set[str]]:
 def test_the_walker_sees_the_package(graph):
     """A sanity check: the graph holds the modules and edges we know to be there."""
     assert {"torchtitan.trainer", "torchtitan.cellmap.labels", "torchtitan.tools.scoring"} <= set(graph)
-    assert "torchtitan.scoring" in graph["torchtitan.tools.scoring"]
-    assert "torchtitan.evaluation" in graph["torchtitan.scoring"]
+    assert "torchtitan.scoring.stores" in graph["torchtitan.tools.scoring"]
+    assert "torchtitan.scoring.metrics" in graph["torchtitan.scoring.stores"]
     assert "torchtitan.models.vit" in graph["torchtitan.models.mae"]  # a relative import
 
 
@@ -189,14 +189,12 @@ FLOORS = {
     f"{PACKAGE}.cellmap": 2,
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.datasets": 3,
-    f"{PACKAGE}.evaluation": 3,
-    f"{PACKAGE}.hausdorff": 3,  # the instance metric's distances (beside evaluation)
-    f"{PACKAGE}.neuron_metrics": 3,  # VOI and adapted Rand error (beside evaluation)
+    f"{PACKAGE}.evaluation": 3,  # python -m torchtitan.evaluation: the scoring command's old name
     f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances (beside evaluation)
     f"{PACKAGE}.blockwise": 3,  # post-processing of stored regions block by block
     f"{PACKAGE}.blockwise_labels": 3,  # components of a mask across blocks (for blockwise)
     f"{PACKAGE}.neurons": 3,  # instances cut apart by predicted membranes (beside postprocess)
-    f"{PACKAGE}.scoring": 3,  # scoring prediction stores (python -m torchtitan.evaluation)
+    f"{PACKAGE}.scoring": 3,  # the CellMap metrics; scoring prediction stores
     f"{PACKAGE}.parallelisms": 4,
     f"{PACKAGE}.checkpoint": 4,  # saving, reading, launch history, run lock, preemption
     f"{PACKAGE}.optimizer": 4,

@@ -310,7 +310,7 @@ def _predict_and_score(dump, demo_data, out, crops, *extra):
     assert r.returncode == 0, r.stderr[-3000:]
     options = r.stderr
     scores = out.parent / (out.stem + "_scores.json")
-    r = subprocess.run([sys.executable, "-m", "torchtitan.tools.scoring", "--predictions", str(out),
+    r = subprocess.run([sys.executable, "-m", "torchtitan.scoring", "--predictions", str(out),
                         "--groundtruth", str(demo_data), "--classes", ",".join(CLASSES),
                         "--out", str(scores)], cwd=REPO, env=_env(), capture_output=True,
                        text=True, timeout=600)

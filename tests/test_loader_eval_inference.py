@@ -15,7 +15,7 @@ from torchtitan.datasets.loader import (
     load_segmentation_data,
     split_crops,
 )
-from torchtitan.evaluation import combine_scores, score_crop, validation_scores
+from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 from torchtitan.inference import num_predict_calls, predict_volume, sliding_window
 
 

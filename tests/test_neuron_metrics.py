@@ -18,8 +18,8 @@ from skimage.metrics import adapted_rand_error as sk_arand
 from skimage.metrics import variation_of_information as sk_voi
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, NEURON_CLASSES
-from torchtitan.evaluation import combine_scores, score_crop, validation_scores
-from torchtitan.neuron_metrics import (
+from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
+from torchtitan.scoring.neuron_metrics import (
     adapted_rand_error,
     contingency_table,
     neuron_scores,
@@ -243,7 +243,7 @@ def test_score_crop_combine_scores_validation_scores_for_cell():
 
 @pytest.mark.parametrize("version", ["2025", "2024"])
 def test_scoring_command_reports_them(version):
-    from torchtitan.scoring import combine_challenge_scores, format_table, score_label
+    from torchtitan.scoring.stores import combine_challenge_scores, format_table, score_label
 
     pred, truth, valid = cell_crop(2)
     entry = score_label(pred, truth, valid, VOXEL, "cell", version)

@@ -12,7 +12,7 @@ from conftest import debug_run, launch, read_jsonl
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
-from torchtitan.evaluation import label_instances
+from torchtitan.scoring.metrics import label_instances
 from torchtitan.postprocess import (
     PostProcessing,
     PostProcessingError,

@@ -103,7 +103,7 @@ def test_section_has_the_commands_it_promises():
     assert any("helpers/import_stack.py" in s for s in scripts)
     assert any("train_segmentation.py" in " ".join(argv) for _, argv in section_commands())
     assert any(s.startswith("python predict.py") for s in scripts)
-    assert any("torchtitan.evaluation" in " ".join(argv) for _, argv in section_commands())
+    assert any("-m torchtitan.scoring" in " ".join(argv) for _, argv in section_commands())
     assert any("helpers/view_crop.py" in s for s in scripts)
     for flag in REDUCED:
         assert any(flag in argv for _, argv in section_commands()), flag

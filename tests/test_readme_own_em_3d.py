@@ -54,7 +54,7 @@ def test_section_has_the_commands_it_promises():
     assert any("--ids" in a and "--boundary" in a for a in argvs)
     assert any("train_configs/own_em_segmentation_3d.toml" in a for a in argvs)
     assert any("predict.py" in a and "--instances" in a for a in argvs)
-    assert any("torchtitan.evaluation" in a for a in argvs)
+    assert any("torchtitan.scoring" in a for a in argvs)
     assert any("--training.steps" in a for a in argvs)
 
 

@@ -192,7 +192,7 @@ def test_instance_ids_give_binary_targets_and_ids(nested):
     assert ids.dtype == np.int64 and set(np.unique(ids)) == {0, 5, 7}
     assert not ids[0].any()  # unknown reads as 0
     assert read_instance_ids(src.crops[0], "mito", origin, vox, shape) is None  # parts only
-    from torchtitan.evaluation import label_instances
+    from torchtitan.scoring.metrics import label_instances
 
     assert label_instances(ids)[1] == 2
 
@@ -538,7 +538,7 @@ def test_validation_scores_stored_instance_ids(tmp_path):
     """Two touching nuclei stored with ids 1 and 2: validation keeps them apart (2 true
     instances), as the scoring command does, where connected components would merge them."""
     from torchtitan.config.manager import ConfigManager
-    from torchtitan.evaluation import score_crop
+    from torchtitan.scoring.metrics import score_crop
     from torchtitan.tasks.segmentation import SegmentationTask
 
     store = make_store(tmp_path, smooth_em((16, 64, 64)))

@@ -2,7 +2,7 @@
 
 * A folder shaped as ``csc fetch-data`` writes it trains as it is; ``predict.py
   --submission`` on it writes the challenge's submission layout, which the linter passes and
-  ``python -m torchtitan.evaluation`` scores (named metric version, the previous one by flag).
+  ``python -m torchtitan.scoring`` scores (named metric version, the previous one by flag).
 * Predictions are OME-NGFF pyramids (>= 3 levels) that ``ome-zarr`` and ``ome-zarr-models``
   read back with their metadata.
 * The linter's rejections, one by one.
@@ -160,7 +160,7 @@ def test_fetched_layout_trains_predicts_a_submission_that_passes_and_is_scored(f
     assert r.returncode == 0, r.stdout + r.stderr
     for version, name in (("2025", "cellmap-2025 (revised"), ("2024", "cellmap-2024 (original")):
         out = tmp_path / f"scores_{version}.json"
-        r = _run("-m", "torchtitan.evaluation", "--predictions", sub, "--groundtruth", fetched,
+        r = _run("-m", "torchtitan.scoring", "--predictions", sub, "--groundtruth", fetched,
                  "--metric-version", version, "--out", out)
         assert r.returncode == 0, r.stderr
         assert f"metric: {name}" in r.stdout
@@ -278,7 +278,7 @@ def test_a_zarr_v3_store_is_rejected(targets, tmp_path):
 
 
 def test_semantic_2025_pools_counts_2024_weights_crop_scores():
-    from torchtitan.scoring import combine_challenge_scores, score_label
+    from torchtitan.scoring.stores import combine_challenge_scores, score_label
 
     v = (8.0, 8.0, 8.0)
     truth_a = np.zeros((2, 2, 2), bool)
@@ -305,7 +305,7 @@ def test_semantic_2025_pools_counts_2024_weights_crop_scores():
 def test_instance_2025_split_object_and_overall():
     """One true cube; the prediction is the cube cut in two: 1 TP, 1 FP. The matched half
     is at Hausdorff distance 2 voxels (16 nm) from the cube, the extra half gets the cap."""
-    from torchtitan.scoring import combine_challenge_scores, score_label
+    from torchtitan.scoring.stores import combine_challenge_scores, score_label
 
     v = (8.0, 8.0, 8.0)
     truth = np.zeros((8, 8, 8), np.uint8)
@@ -336,8 +336,8 @@ def test_instance_2025_split_object_and_overall():
 
 
 def test_instance_2025_nothing_anywhere_is_perfect_and_too_many_instances_is_skipped(caplog):
-    from torchtitan.evaluation import ratio_cutoff as ratio_cutoff_2025
-    from torchtitan.scoring import combine_challenge_scores, score_label
+    from torchtitan.scoring.metrics import ratio_cutoff as ratio_cutoff_2025
+    from torchtitan.scoring.stores import combine_challenge_scores, score_label
 
     v = (4.0, 4.0, 4.0)
     empty = np.zeros((6, 6, 6), np.uint8)

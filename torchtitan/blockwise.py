@@ -15,7 +15,7 @@ on a region that fits in memory (``tests/test_blockwise.py``):
   for ``"planes"``) that touch no border of the region (for ``"planes"``: no y or x border) are
   the holes: exact.
 * **Instances, components**: the components of the cleaned mask, numbered as above: the same
-  ids as :func:`torchtitan.evaluation.label_instances`, not only the same objects.
+  ids as :func:`torchtitan.scoring.metrics.label_instances`, not only the same objects.
 * **Instances, watershed** (``instances = "watershed"``): object by object (round-robin over
   the ranks), on the object's box padded until its distance map is exact (the computed depth of
   every voxel is at most the padding), so the split is that of

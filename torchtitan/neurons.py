@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.ndimage as ndi
 
-from torchtitan.evaluation import label_instances
+from torchtitan.scoring.metrics import label_instances
 
 
 def boundary_instances(boundary, voxel_size, seed_nm: float, inside=None,

@@ -16,7 +16,7 @@ settings, the ``[inference]`` section of the config sets them):
    of objects). The classes in ``fill_holes_classes``, or every class when that is empty.
 3. **Instances** (instance classes, ``torchtitan.cellmap.classes.INSTANCE_CLASSES``):
    ``"components"`` are the connected components of the mask, exactly as
-   :func:`torchtitan.evaluation.label_instances` finds them; ``"watershed"`` separates
+   :func:`torchtitan.scoring.metrics.label_instances` finds them; ``"watershed"`` separates
    touching objects at narrow necks (:func:`watershed_instances`). With
    ``boundary_instances``, a class whose membrane class is predicted too
    (``cellmap.classes.MEMBRANE_OF``: ``cell`` with ``pm``) is cut into objects by the
@@ -39,7 +39,7 @@ neighbouring values, which on a distance map is about the same everywhere, so th
 which basins grow degenerates and one seed can take every object it touches.
 
 :func:`measure` scores one crop raw and after each step (semantic IoU/Dice for every class,
-instance F1 and score for instance classes, with :mod:`torchtitan.evaluation`);
+instance F1 and score for instance classes, with :mod:`torchtitan.scoring.metrics`);
 :func:`combine_steps` pools crops; :func:`format_table` prints the comparison.
 
 Floor 3: imports the CellMap domain (instance classes), ``evaluation`` and ``errors``.
@@ -54,7 +54,7 @@ import scipy.ndimage as ndi
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, MEMBRANE_OF
 from torchtitan.errors import UserError
-from torchtitan.evaluation import THRESHOLD, combine_scores, label_instances, score_crop
+from torchtitan.scoring.metrics import THRESHOLD, combine_scores, label_instances, score_crop
 from torchtitan.neurons import boundary_instances
 
 FILL_HOLES_MODES = ("none", "planes", "volume")
@@ -366,7 +366,7 @@ def measure(probabilities: dict, truth: dict, voxel_size, pp, valid: dict | None
     ``{class: voxels that count}`` (missing: all); ``voxel_size``: nm per axis of that grid.
     ``pp``: a :class:`PostProcessing` (compared step by step, :meth:`PostProcessing.steps`)
     or ``{step name: PostProcessing}`` to compare any settings. Returns ``{step:
-    score_crop result}`` (:func:`torchtitan.evaluation.score_crop`).
+    score_crop result}`` (:func:`torchtitan.scoring.metrics.score_crop`).
     """
     steps = pp.steps() if isinstance(pp, PostProcessing) else dict(pp)
     masks = {}

@@ -119,7 +119,7 @@ INSTANCE_CLASSES: tuple[str, ...] = (
 
 # The classes scored also as dense segmentations, with the metrics neuron segmentation is
 # judged by (variation of information split / merge, adapted Rand error; CREMI's definitions,
-# ``torchtitan/neuron_metrics.py``): neuron bodies are ``cell`` instances, and these metrics
+# ``torchtitan/scoring/neuron_metrics.py``): neuron bodies are ``cell`` instances, and these metrics
 # weigh a false merge or split of large, touching cells by its volume. Each is an instance class.
 NEURON_CLASSES: tuple[str, ...] = ("cell",)
 

@@ -24,7 +24,7 @@ from torchtitan.datasets.cellmap import (
 )
 from torchtitan.datasets.samples import crop_grid
 from torchtitan.datasets.targets import annotates, read_target
-from torchtitan.scoring import prediction_level
+from torchtitan.scoring.stores import prediction_level
 from torchtitan.tools.drawing import CLASS_COLORS
 
 

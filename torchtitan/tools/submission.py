@@ -11,7 +11,7 @@ attributes ``voxel_size``, ``translation`` and ``shape``: a uint8 0/1 mask for a
 class, uint32 object ids for an instance class. :func:`write_submission` resamples a
 prediction store (``predict.py``'s output, any voxel size, OME-NGFF pyramids: ``s0`` is
 used) onto those grids in world coordinates, exactly as scoring does
-(:func:`torchtitan.scoring.resample_prediction`), and zips it for upload.
+(:func:`torchtitan.scoring.stores.resample_prediction`), and zips it for upload.
 
 :func:`check_submission` is the linter: before anything is uploaded it says why the
 submission would be rejected or scored as zero. Errors: not a zarr format 2 group, a test
@@ -47,8 +47,8 @@ from torchtitan.cellmap.grids import Grid
 from torchtitan.cellmap.ome_ngff import VIEW_CHUNKS, read_attrs, read_multiscales
 from torchtitan.datasets.cellmap import discover
 from torchtitan.errors import UserError
-from torchtitan.evaluation import label_instances
-from torchtitan.scoring import prediction_level, resample_prediction
+from torchtitan.scoring.metrics import label_instances
+from torchtitan.scoring.stores import prediction_level, resample_prediction
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Scoring a prediction store against CellMap-layout ground truth, with the challenge's metric.
 
-    python -m torchtitan.evaluation --predictions PRED.zarr --groundtruth DATA_ROOT --out s.json
-    python -m torchtitan.evaluation ... --metric-version 2024     # the original definition
+    python -m torchtitan.scoring --predictions PRED.zarr --groundtruth DATA_ROOT --out s.json
+    python -m torchtitan.scoring ... --metric-version 2024     # the original definition
 
 Reads a prediction store and the ground truth, puts every predicted class on its crop's
 ground-truth grid (the s0 level of the crop's class group) in world coordinates and scores
 it as the CellMap segmentation challenge scores a submission. Floor 3 beside the metrics of
-:mod:`torchtitan.evaluation` (whose matching, Hausdorff distance and normalisation it
+:mod:`torchtitan.scoring.metrics` (whose matching, Hausdorff distance and normalisation it
 uses); it reads stores through :mod:`torchtitan.cellmap` and :mod:`torchtitan.datasets`.
 
 Prediction layout (the challenge's submission layout, and what ``predict.py`` writes):
@@ -31,7 +31,7 @@ Metric versions (``--metric-version``), as the challenge defines them:
   missed instance gets a real distance, not the cap, when such a component exists. Each
   distance is normalised to ``1.01 ** (-d / |voxel_size|)`` and the normalised values are
   averaged over the class (pooled over crops). Class score = sqrt(F1 * mean normalised
-  distance). All of it is :mod:`torchtitan.evaluation`'s, which validation logs;
+  distance). All of it is :mod:`torchtitan.scoring.metrics`'s, which validation logs;
 * a crop whose prediction has too many instances (more than ``10 + 50 exp(-n / 5)`` per
   true instance, n the largest true id) contributes nothing to its class;
 * a class a crop annotates but the submission leaves out counts every voxel of the crop as
@@ -57,7 +57,7 @@ their voxel counts:
 
 In both, a class of ``NEURON_CLASSES`` (``cell``) also gets the metrics neuron segmentation
 is judged by, reported beside its score and not part of it: VOI split and merge and the
-adapted Rand error (CREMI's definitions, :mod:`torchtitan.neuron_metrics`) of the true ids and
+adapted Rand error (CREMI's definitions, :mod:`torchtitan.scoring.neuron_metrics`) of the true ids and
 the same predicted instances the instance metric scores, each crop's pooled as if the crops lay
 side by side in one volume (a class left out counts as predicted background everywhere).
 
@@ -84,7 +84,7 @@ from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to
 from torchtitan.cellmap.ome_ngff import read_multiscales
 from torchtitan.datasets import cellmap
 from torchtitan.errors import UserError
-from torchtitan.evaluation import (
+from torchtitan.scoring.metrics import (
     THRESHOLD,
     combine_scores,
     instance_overlaps,
@@ -96,8 +96,8 @@ from torchtitan.evaluation import (
     semantic_crop_scores,
     truth_instances,
 )
-from torchtitan.hausdorff import normalize_distance, pair_hausdorff
-from torchtitan.neuron_metrics import neuron_scores, pool_neuron_scores
+from torchtitan.scoring.hausdorff import normalize_distance, pair_hausdorff
+from torchtitan.scoring.neuron_metrics import neuron_scores, pool_neuron_scores
 
 METRIC_VERSIONS = {
     "2025": "cellmap-2025 (revised: counts pooled per class; instance F1 x per-instance Hausdorff)",
@@ -281,7 +281,7 @@ def _neuron_scores(pred, truth, name: str) -> dict:
 def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAULT_METRIC_VERSION) -> dict:
     """The challenge's scores of one class in one crop (``pred`` None: left out of the
     submission). ``truth`` holds a mask or ids, ``valid`` the annotated voxels. The 2025
-    scores are :func:`torchtitan.evaluation.score_class`'s, the ones validation logs."""
+    scores are :func:`torchtitan.scoring.metrics.score_class`'s, the ones validation logs."""
     if version not in METRIC_VERSIONS:
         raise SubmissionError(f"--metric-version {version!r}: expected one of {sorted(METRIC_VERSIONS)}")
     truth = np.where(valid, truth, 0)
@@ -335,7 +335,7 @@ def _weighted(entries, key) -> float | None:
 def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VERSION) -> dict:
     """Per-class and overall scores over ``score_label`` results (``[{"classes": {...}}]``),
     by the rules of ``version`` (module docstring). 2025: validation's own
-    :func:`torchtitan.evaluation.combine_scores`."""
+    :func:`torchtitan.scoring.metrics.combine_scores`."""
     if version == "2025":
         return combine_scores(crops)
     classes = {}
@@ -485,7 +485,7 @@ def _json_safe(value):
     return value
 
 
-def main(argv=None, prog: str = "python -m torchtitan.evaluation") -> int:
+def main(argv=None, prog: str = "python -m torchtitan.scoring") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Score predictions (PRED.zarr/crop<N>/<class>) against CellMap-layout ground "

@@ -1,6 +1,6 @@
 """Hausdorff distances between instances, as the CellMap challenge's instance metric takes
 them (nm, exact, from Euclidean distance transforms, anisotropic voxels), capped and
-normalised. :mod:`torchtitan.evaluation` scores with them; see its docstring, step 4.
+normalised. :mod:`torchtitan.scoring.metrics` scores with them; see its docstring, step 4.
 """
 
 from __future__ import annotations
