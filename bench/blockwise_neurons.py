@@ -5,11 +5,11 @@
 
 The membranes are the true ones (every voxel with a face neighbour of another body id, as
 ``helpers/import_stack.py --boundary pm`` derives them) and ``cell`` is every voxel of a body,
-so what is measured is the blockwise flood alone: :func:`torchtitan.blockwise.postprocess_region`
+so what is measured is the blockwise flood alone: :func:`torchtitan.postprocess.blockwise.postprocess_region`
 with the ``[inference]`` settings of ``--config`` (the 3D recipe's: seeds 50 nm from a
 membrane, seeds under 1e5 nm^3 dropped) in blocks of ``--block`` voxels, for each flood halo,
 against
-:func:`torchtitan.postprocess.postprocess` on the whole region. Each row gives the voxels whose
+:func:`torchtitan.postprocess.masks.postprocess` on the whole region. Each row gives the voxels whose
 neuron differs and where they lie (boundaries, interior parts without a seed, parts too large
 to be flooded on their box; elsewhere nothing may differ), VOI and ARAND of both against the
 true bodies, and the time.
@@ -28,11 +28,11 @@ import numpy as np
 import scipy.ndimage as ndi
 import zarr
 
-from torchtitan.blockwise import postprocess_region
+from torchtitan.postprocess.blockwise import postprocess_region
 from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.id_labels import boundary_mask
 from torchtitan.scoring.neuron_metrics import neuron_scores
-from torchtitan.postprocess import PostProcessing, postprocess
+from torchtitan.postprocess.masks import PostProcessing, postprocess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def blockwise(masks: dict, voxel, post, block: int, halo_nm: float) -> np.ndarra
 def kinds(masks: dict, voxel, post, block: int) -> np.ndarray:
     """Per voxel: 0 boundary (or outside), 1 interior part without a seed, 2 part with one
     seed, 3 part with several seeds flooded on its box, 4 one too large for a box (over 8
-    blocks), as :func:`torchtitan.blockwise.boundary_ids` treats them."""
+    blocks), as :func:`torchtitan.postprocess.blockwise.boundary_ids` treats them."""
     interior = masks["cell"] & ~masks["pm"]
     parts, n = ndi.label(interior)
     distance = ndi.distance_transform_edt(interior, sampling=voxel)

@@ -10,7 +10,7 @@
 Trains nothing. For every predicted crop that has ground truth and every class it annotates,
 the probabilities (``predict.py --probabilities``) are put on the class's ground-truth grid
 (linear interpolation, as the scoring command does) and thresholded at 0.5; then each
-post-processing setting of :mod:`torchtitan.postprocess` is applied on that grid with its voxel
+post-processing setting of :mod:`torchtitan.postprocess.masks` is applied on that grid with its voxel
 size, and every result is scored with the metrics of :mod:`torchtitan.scoring.metrics` (the
 validation's own). Semantic counts are pooled over crops; instance F1 and score are averaged
 over the crops that annotate the class.
@@ -37,7 +37,7 @@ import time
 from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets import cellmap
 from torchtitan.errors import UserError
-from torchtitan.postprocess import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
+from torchtitan.postprocess.masks import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
 from torchtitan.scoring.stores import open_submission, prediction_level, read_truth
 
 
@@ -171,7 +171,7 @@ def timing(side: int, repeats: int = 3) -> dict[str, float]:
     import numpy as np
     import scipy.ndimage as ndi
 
-    from torchtitan.postprocess import fill_holes, label_instances, remove_small_objects, watershed_instances
+    from torchtitan.postprocess.masks import fill_holes, label_instances, remove_small_objects, watershed_instances
 
     rng = np.random.default_rng(0)
     mask = ndi.gaussian_filter(rng.random((side,) * 3, dtype=np.float32), 3.0) > 0.505

@@ -62,7 +62,7 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.datasets.volume_source import build_source
 from torchtitan.scoring.metrics import combine_scores, validation_scores
 from torchtitan.logging_metrics import MetricLogger
-from torchtitan.postprocess import PostProcessing
+from torchtitan.postprocess.masks import PostProcessing
 from torchtitan.tasks.segmentation import score_prediction
 
 THREADS = 2  # the benchmark machine's cores, all of them for the one process

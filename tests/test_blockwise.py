@@ -2,7 +2,7 @@
 
 Masks are blobs of smoothed noise (objects of every shape, many crossing block faces, edges and
 corners) plus a ball centred on a block corner; the blocks do not divide the region. The
-whole-region reference is :func:`torchtitan.postprocess.postprocess` on the same masks.
+whole-region reference is :func:`torchtitan.postprocess.masks.postprocess` on the same masks.
 Two ranks run as two threads on the same store, with a real barrier between the passes.
 """
 
@@ -16,9 +16,9 @@ import pytest
 import scipy.ndimage as ndi
 import zarr
 
-from torchtitan.blockwise import postprocess_region
-from torchtitan.blockwise_labels import Blocks, Ranks, label_blockwise
-from torchtitan.postprocess import PostProcessing, postprocess
+from torchtitan.postprocess.blockwise import postprocess_region
+from torchtitan.postprocess.blockwise_labels import Blocks, Ranks, label_blockwise
+from torchtitan.postprocess.masks import PostProcessing, postprocess
 
 SHAPE = (37, 45, 51)
 BLOCK = (16, 16, 16)

@@ -190,10 +190,7 @@ FLOORS = {
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.datasets": 3,
     f"{PACKAGE}.evaluation": 3,  # python -m torchtitan.evaluation: the scoring command's old name
-    f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances (beside evaluation)
-    f"{PACKAGE}.blockwise": 3,  # post-processing of stored regions block by block
-    f"{PACKAGE}.blockwise_labels": 3,  # components of a mask across blocks (for blockwise)
-    f"{PACKAGE}.neurons": 3,  # instances cut apart by predicted membranes (beside postprocess)
+    f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances, in memory or blockwise
     f"{PACKAGE}.scoring": 3,  # the CellMap metrics; scoring prediction stores
     f"{PACKAGE}.parallelisms": 4,
     f"{PACKAGE}.checkpoint": 4,  # saving, reading, launch history, run lock, preemption

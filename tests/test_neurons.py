@@ -1,10 +1,10 @@
-"""Neurons from predicted boundaries (torchtitan/neurons.py) and their place in post-processing."""
+"""Neurons from predicted boundaries (torchtitan/postprocess/neurons.py) and their place in post-processing."""
 
 import numpy as np
 import pytest
 
-from torchtitan.neurons import boundary_instances
-from torchtitan.postprocess import PostProcessing, PostProcessingError, postprocess
+from torchtitan.postprocess.neurons import boundary_instances
+from torchtitan.postprocess.masks import PostProcessing, PostProcessingError, postprocess
 
 
 def _two_cells(gap: int = 0):

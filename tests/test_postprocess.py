@@ -1,4 +1,4 @@
-"""Post-processing (torchtitan/postprocess.py): small objects, holes, watershed instances, the
+"""Post-processing (torchtitan/postprocess/masks.py): small objects, holes, watershed instances, the
 measurement of each step, its config options, validation's val_post scores and predict.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
 from torchtitan.scoring.metrics import label_instances
-from torchtitan.postprocess import (
+from torchtitan.postprocess.masks import (
     PostProcessing,
     PostProcessingError,
     clean_mask,

@@ -486,7 +486,7 @@ class Inference:
         "z", "2D models on 3D volumes: 'z' predicts yx planes along z; 'zyx' also predicts zx "
         "and zy planes and averages the three (isotropic data.voxel_size only; 3D models "
         "ignore it).", choices=PLANES)
-    # Post-processing of the masks (torchtitan/postprocess.py): validation reports it as
+    # Post-processing of the masks (torchtitan/postprocess/masks.py): validation reports it as
     # val_post/... beside the raw val/... scores; predict.py applies it to the masks it writes.
     min_object_nm3: float = opt(
         0.0, "Post-processing: remove predicted objects (connected components, every class) "
@@ -510,7 +510,7 @@ class Inference:
     boundary_instances: bool = opt(
         False, "Post-processing: an instance class whose membrane class is predicted too (cell "
         "with pm) takes its objects from a seeded watershed of the distance to the predicted "
-        "membrane (neurons from boundaries, torchtitan/neurons.py) instead of "
+        "membrane (neurons from boundaries, torchtitan/postprocess/neurons.py) instead of "
         "inference.instances (val_post/ scores, predict.py --instances).")
     boundary_seed_nm: float = opt(
         10.0, "boundary_instances: seeds are the parts of the interior farther than this from a "

@@ -21,7 +21,7 @@ from torchtitan.models import (
     training_flops_per_sample,
 )
 from torchtitan.models.context import local_part
-from torchtitan.postprocess import PostProcessing, postprocess
+from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
 
@@ -123,7 +123,7 @@ class SegmentationTask(TaskBase):
         of each crop's EM, ground truth and prediction to ``dump_folder/visuals`` when the task
         has a picture writer.
 
-        With post-processing set in ``[inference]`` (``torchtitan/postprocess.py``), the
+        With post-processing set in ``[inference]`` (``torchtitan/postprocess/masks.py``), the
         post-processed masks are scored too and reported as ``val_post/...`` (same names after
         the prefix) beside the raw ``val/...`` scores; the best checkpoint stays the raw one's.
         """

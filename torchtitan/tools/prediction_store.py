@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.blockwise import WORK
-from torchtitan.blockwise_labels import Blocks
+from torchtitan.postprocess.blockwise import WORK
+from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.ome_ngff import create_multiscale_group
 from torchtitan.errors import ConfigError
 from torchtitan.tools.prediction_regions import Region

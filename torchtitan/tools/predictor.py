@@ -5,7 +5,7 @@ are loaded from a DCP checkpoint (a step folder, or a run's checkpoint folder fo
 step) or from an exported ``.pth``; ``--model`` runs an export's weights with its own config
 instead (:mod:`torchtitan.tools.exported`). Input is read from zarr window by window and the
 output is written block by block (:func:`torchtitan.inference.predict_blockwise`), and the
-post-processing works block by block too (:mod:`torchtitan.blockwise`), so the memory of a
+post-processing works block by block too (:mod:`torchtitan.postprocess.blockwise`), so the memory of a
 process is set by the block (``--max_block_mb``), never by the volume. Under ``torchrun`` the
 blocks are split across ranks; ``--shard I/N`` splits them across jobs (a SLURM array).
 
@@ -36,7 +36,7 @@ The steps of a region:
 2. **The last step**, once every block of the region is written: post-processing (the run's
    ``[inference]`` ``min_object_nm3``, ``fill_holes`` and, for ``--instances``, ``instances``
    and ``boundary_instances``) block by block over the ranks, with one global numbering of the
-   instances (:func:`torchtitan.blockwise.postprocess_region`; ``--probabilities`` are written
+   instances (:func:`torchtitan.postprocess.blockwise.postprocess_region`; ``--probabilities`` are written
    raw), then the viewer pyramid (classes dealt out to the ranks), then the completion marker
    ``prediction_complete = true`` on ``PRED.zarr/<region>``; last, ``--submission``.
 
@@ -77,8 +77,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.blockwise import postprocess_region
-from torchtitan.blockwise_labels import Blocks
+from torchtitan.postprocess.blockwise import postprocess_region
+from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.cellmap.ome_ngff import (
     VIEW_CHUNKS,
@@ -106,7 +106,7 @@ from torchtitan.inference import (
 )
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
-from torchtitan.postprocess import PostProcessing
+from torchtitan.postprocess.masks import PostProcessing
 from torchtitan.tools import exported
 from torchtitan.tools.prediction_regions import (
     Region,

@@ -20,7 +20,7 @@ settings, the ``[inference]`` section of the config sets them):
    touching objects at narrow necks (:func:`watershed_instances`). With
    ``boundary_instances``, a class whose membrane class is predicted too
    (``cellmap.classes.MEMBRANE_OF``: ``cell`` with ``pm``) is cut into objects by the
-   predicted membrane instead (:func:`torchtitan.neurons.boundary_instances`, after steps 1-2
+   predicted membrane instead (:func:`torchtitan.postprocess.neurons.boundary_instances`, after steps 1-2
    on both masks).
 
 The watershed is a flooding of the distance-to-background map by levels, from the deepest
@@ -55,7 +55,7 @@ import scipy.ndimage as ndi
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, MEMBRANE_OF
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import THRESHOLD, combine_scores, label_instances, score_crop
-from torchtitan.neurons import boundary_instances
+from torchtitan.postprocess.neurons import boundary_instances
 
 FILL_HOLES_MODES = ("none", "planes", "volume")
 INSTANCE_METHODS = ("components", "watershed")

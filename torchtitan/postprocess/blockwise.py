@@ -1,12 +1,12 @@
 """Post-processing of a predicted region block by block: memory set by the block, not the volume.
 
-:mod:`torchtitan.postprocess` cleans masks and labels instances of one volume held in memory.
+:mod:`torchtitan.postprocess.masks` cleans masks and labels instances of one volume held in memory.
 Here the same steps run on a region stored in zarr (a prediction's ``<region>/<class>/s0``),
 block by block, spread over the ranks, and give the same result as the whole-region functions
 on a region that fits in memory (``tests/test_blockwise.py``):
 
 * **Connected components across blocks**
-  (:func:`torchtitan.blockwise_labels.label_blockwise`): each block labelled, the ids touching
+  (:func:`torchtitan.postprocess.blockwise_labels.label_blockwise`): each block labelled, the ids touching
   across block faces joined, the objects numbered in raster order of their first voxel:
   ``ndimage.label``'s.
 * **Small objects** (``min_object_nm3``): objects whose summed size is below the limit are
@@ -19,7 +19,7 @@ on a region that fits in memory (``tests/test_blockwise.py``):
 * **Instances, watershed** (``instances = "watershed"``): object by object (round-robin over
   the ranks), on the object's box padded until its distance map is exact (the computed depth of
   every voxel is at most the padding), so the split is that of
-  :func:`torchtitan.postprocess.watershed_instances`, with the same numbering. Memory: the
+  :func:`torchtitan.postprocess.masks.watershed_instances`, with the same numbering. Memory: the
   largest object's box.
 * **Neurons cut by their membrane** (``boundary_instances``): the seeds (interior voxels farther
   than ``boundary_seed_nm`` from the membrane) are found per block with a halo of
@@ -37,8 +37,8 @@ tables in ``_work/tables/``); the results go to ``<class>/_post`` and replace ``
 at the end. Every step is idempotent on its own output (cleaning a cleaned mask changes nothing,
 and instances are labelled from ``s0 > 0``), so a run killed at any point is simply run again.
 
-Floor 3: numpy, scipy, scikit-image and zarr; uses :mod:`torchtitan.postprocess` and
-:mod:`torchtitan.blockwise_labels`.
+Floor 3: numpy, scipy, scikit-image and zarr; uses :mod:`torchtitan.postprocess.masks` and
+:mod:`torchtitan.postprocess.blockwise_labels`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Callable
 import numpy as np
 import scipy.ndimage as ndi
 
-from torchtitan.blockwise_labels import (
+from torchtitan.postprocess.blockwise_labels import (
     Blocks,
     Components,
     Ranks,
@@ -62,7 +62,7 @@ from torchtitan.blockwise_labels import (
     max_over_ranks,
 )
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
-from torchtitan.postprocess import (
+from torchtitan.postprocess.masks import (
     PostProcessing,
     flood_component,
     min_object_voxels,
@@ -85,7 +85,7 @@ MaskReader = Callable[[tuple, tuple], np.ndarray]  # (lo, hi) -> the mask of tha
 
 def cleaned_mask(read_mask: MaskReader, name: str, blocks: Blocks, voxel_size,
                  pp: PostProcessing, ranks: Ranks, work) -> MaskReader:
-    """Steps 1 and 2 (small objects, holes) of :func:`torchtitan.postprocess.clean_mask`, as a
+    """Steps 1 and 2 (small objects, holes) of :func:`torchtitan.postprocess.masks.clean_mask`, as a
     reader of the cleaned mask in any box."""
     least = min_object_voxels(pp.min_object_nm3, voxel_size)
     mask = read_mask
@@ -129,7 +129,7 @@ def _edt_exact(mask: MaskReader, lo, hi, shape, sampling, pad: int, need):
 
 def watershed_split(objects: Components, mask: MaskReader, blocks: Blocks, voxel_size,
                     pp: PostProcessing, ranks: Ranks, work, name: str) -> Callable:
-    """:func:`torchtitan.postprocess.watershed_instances` object by object: returns
+    """:func:`torchtitan.postprocess.masks.watershed_instances` object by object: returns
     ``ids(lo, hi)`` of the split instances, numbered as the whole-region function numbers them."""
     sampling = np.asarray(voxel_size, float)
     tables = fresh_tables(work, f"{name}.split", ranks)
@@ -198,7 +198,7 @@ def watershed_split(objects: Components, mask: MaskReader, blocks: Blocks, voxel
 def boundary_ids(inside: MaskReader, boundary: MaskReader, name: str, blocks: Blocks,
                  voxel_size, pp: PostProcessing, ranks: Ranks, work,
                  halo_nm: float = DEFAULT_HALO_NM) -> Callable:
-    """:func:`torchtitan.neurons.boundary_instances` block by block; returns ``ids(lo, hi)``
+    """:func:`torchtitan.postprocess.neurons.boundary_instances` block by block; returns ``ids(lo, hi)``
     for the blocks of ``blocks`` (whole blocks only).
 
     The whole-region flood grows the seeds down the distance map, deepest voxels first, so a

@@ -8,7 +8,7 @@ two-voxel slab, one voxel wider for edge and corner neighbours) are joined by
 ``scipy.sparse.csgraph.connected_components``, and the objects, their sizes and border contacts
 summed, are numbered in raster order of their first voxel: ``ndimage.label``'s, whatever the
 blocks. A ``keep`` rule on the summed sizes and border contacts drops objects exactly (small
-objects, holes that touch no border). :mod:`torchtitan.blockwise` builds the post-processing of
+objects, holes that touch no border). :mod:`torchtitan.postprocess.blockwise` builds the post-processing of
 a predicted region on it.
 
 Scratch data lives in a zarr group ``work`` (arrays of block-unique ids, one chunk per block)
