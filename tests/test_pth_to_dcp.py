@@ -424,7 +424,7 @@ def _manager(dump, *flags):
     from torchtitan.config.manager import ConfigManager
     from torchtitan.models import SegmentationModel
     from torchtitan.optimizer import build_lr_scheduler, build_optimizer
-    from torchtitan.trainer import TrainState
+    from torchtitan.checkpoint.train_state import TrainState
 
     cfg = ConfigManager().parse_args(["--job.config_file", SEG2D, "--job.dump_folder", str(dump),
                                       "--model.backbone", "vit_debug", *flags])

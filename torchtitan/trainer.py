@@ -28,14 +28,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torchtitan.checkpoint.launch_history import check_resume_compatible, save_launch_config
 from torchtitan.checkpoint.manager import CheckpointManager, ResumePlan, plan_resume, read_best
 from torchtitan.checkpoint.reading import complete_steps, step_folder
+from torchtitan.checkpoint.train_state import TrainState
 from torchtitan.config.manager import ConfigManager, JobConfig
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
-from torchtitan.errors import USER_ERROR_EXIT, CheckpointError, ConfigError, UserError
-from torchtitan.checkpoint.launch_history import check_resume_compatible, save_launch_config
+from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
 from torchtitan.logging_metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
@@ -66,52 +67,6 @@ logger = logging.getLogger("torchtitan")
 
 # Errors that mean "the user must change something": shown as one message, no traceback.
 USER_ERRORS = (UserError,)
-
-
-class TrainState:
-    """Step counter, data position, best validation and skipped steps, checkpointed with the
-    model. The best score is stored signed so that higher is better (see Trainer._is_best);
-    without it a resumed run would take its first validation as the best one."""
-
-    def __init__(self, global_batch: int, dp_degree: int):
-        self.step = 0
-        self.global_batch = global_batch
-        self.dp_degree = dp_degree
-        self.best_score: float | None = None
-        self.best_step: int | None = None
-        self.skipped_steps = 0
-
-    def state_dict(self) -> dict:
-        return {
-            "step": torch.tensor(self.step),
-            "global_batch": torch.tensor(self.global_batch),
-            "dp_degree": torch.tensor(self.dp_degree),
-            "rng_cpu": torch.get_rng_state(),
-            # NaN / -1: no validation has scored yet.
-            "best_score": torch.tensor(math.nan if self.best_score is None else self.best_score,
-                                       dtype=torch.float64),
-            "best_step": torch.tensor(-1 if self.best_step is None else self.best_step),
-            "skipped_steps": torch.tensor(self.skipped_steps),
-        }
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step = int(sd["step"])
-        best = float(sd["best_score"])
-        self.best_score = None if math.isnan(best) else best
-        self.best_step = None if int(sd["best_step"]) < 0 else int(sd["best_step"])
-        self.skipped_steps = int(sd["skipped_steps"])
-        if int(sd["global_batch"]) != self.global_batch:
-            raise CheckpointError(
-                f"the checkpoint was trained with training.batch_size={int(sd['global_batch'])} "
-                f"but this run asks for {self.global_batch}; samples are keyed by global batch "
-                "position, so resume with the same global batch size (or start a new dump_folder)"
-            )
-        if int(sd["dp_degree"]) != self.dp_degree:
-            # Samples are keyed by global index, so every step still sees the same global
-            # batch, only split differently; losses match up to reduction order.
-            logger.warning("resuming with data-parallel degree %d (checkpoint: %d); the global "
-                           "batches are unchanged", self.dp_degree, int(sd["dp_degree"]))
-        torch.set_rng_state(sd["rng_cpu"])
 
 
 def _env_int(name: str, default: int) -> int:
@@ -157,6 +112,21 @@ class Trainer:
             self.meta_model = task.build_model()
         if self.dims.tp_enabled:  # does the model split over the tp ranks?
             check_parallelism(self.meta_model, self.dims, cfg)
+        # All else the run holds, built by setup() in this order; None until then, so that
+        # close() knows what to release wherever setup stopped. The device and mesh:
+        self.device: torch.device | None = None
+        self.mesh = self.dp_mesh = self.loss_mesh = None
+        self.dp_rank = self.tp_rank = self.cp_rank = 0
+        # the parallelised model (_init_model, _init_weights); optimisation, the train state,
+        # its checkpoints, logs, stop requests and data (setup).
+        self.model: torch.nn.Module | None = None
+        self.flops_per_sample = self.num_params = 0
+        self.autocast = self.optimizer = self.lr_scheduler = self.loader = None
+        self.setup_started, self.nan_grad_steps = 0.0, set()
+        self.state: TrainState | None = None
+        self.checkpoint: CheckpointManager | None = None
+        self.metrics: MetricLogger | None = None
+        self.stop: StopRequest | None = None
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -516,9 +486,9 @@ class Trainer:
               f"--checkpoint.initial_load_path {path}")
 
     def close(self) -> None:
-        if hasattr(self, "checkpoint"):
+        if self.checkpoint is not None:
             self.checkpoint.wait()
-        if hasattr(self, "metrics"):
+        if self.metrics is not None:
             self.metrics.close()
         if dist.is_initialized():
             dist.barrier()
