@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from torchtitan.config_context_parallel import slab_size
+
 
 @dataclass(eq=False)
 class SequenceShard:
@@ -36,11 +38,7 @@ class SequenceShard:
 
     def slab(self, t: Tensor, dim: int) -> Tensor:
         """This rank's contiguous part of ``t`` along ``dim`` (``t.shape[dim]`` splits evenly)."""
-        n = t.shape[dim]
-        if n % self.size:
-            raise ValueError(
-                f"context parallelism {self.size} cannot split a sequence axis of {n} evenly")
-        part = n // self.size
+        part = slab_size(t.shape[dim], self.size)
         return t.narrow(dim, self.rank * part, part)
 
     def gather_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from torchtitan.config_context_parallel import kept_tokens
+
 from .context import SequenceShard
 from .rope import RopePositionEmbedding
 from .vit import Block, DinoVisionTransformer, init_vit_module
@@ -81,7 +83,7 @@ def random_masking(x: Tensor, mask_ratio: float, noise: Tensor) -> tuple[Tensor,
         raise ValueError(f"noise must be (B, N) = {(B, N)}, got {tuple(noise.shape)}")
     if not 0.0 <= mask_ratio < 1.0:
         raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
-    len_keep = max(1, int(N * (1 - mask_ratio)))
+    len_keep = kept_tokens(N, mask_ratio)
     ids_shuffle = torch.argsort(noise, dim=1, stable=True)  # ascending: small noise is kept
     ids_restore = torch.argsort(ids_shuffle, dim=1)
     ids_keep = ids_shuffle[:, :len_keep]

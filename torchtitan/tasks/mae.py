@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.config_context_parallel import mae_problems
 from torchtitan.datasets.augment import augment_on_device
 from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
@@ -50,15 +51,14 @@ class MAETask(TaskBase):
         self.train_dataset()  # held-out crops that leave no room for training fail here
 
     def _check_context_parallel(self) -> None:
-        """Under context parallelism each rank encodes an equal part of the kept patches."""
-        cp, m = self.cfg.training.context_parallel_degree, self.cfg.model
-        kept = max(1, int(self.num_patches() * (1 - m.mask_ratio)))  # as random_masking keeps
-        if cp > 1 and kept % cp:
-            raise ConfigError(
-                f"'training.context_parallel_degree' = {cp} must divide the number of patches "
-                f"the MAE encoder keeps, {kept} ({self.num_patches()} patches of crop "
-                f"{m.crop_size} at 'model.mask_ratio' = {m.mask_ratio}); change the mask ratio "
-                "or the crop size")
+        """Under context parallelism each rank encodes an equal part of the kept patches
+        (:func:`torchtitan.config_context_parallel.mae_problems`)."""
+        m = self.cfg.model
+        problems = mae_problems(self.cfg.training.context_parallel_degree,
+                                crop_size=m.crop_size, patch_size=m.patch_size,
+                                mask_ratio=m.mask_ratio)
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     def num_patches(self) -> int:
         return math.prod(c // self.cfg.model.patch_size for c in self.cfg.model.crop_size)
