@@ -26,7 +26,7 @@ from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
 from torchtitan.datasets.volume_source import VolumeSource, build_source
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
-from torchtitan.models.context import local_part
+from torchtitan.models.context import context_shard, local_part
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.base import ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -84,11 +84,12 @@ class MAETask(TaskBase):
 
     def _forward(self, model, batch):
         """(pred, mask, (sum, count)) of one batch."""
+        shard = context_shard(model)  # the part of every sample the model computes (or None)
         pred, mask = model(batch.image, self.cfg.model.mask_ratio, batch.noise)
         # The loss, once, outside the model: on the fp32 image (FSDP casts the model's inputs),
         # under context parallelism on the slab of it whose patches this rank predicted.
-        terms = mae_loss_terms(local_part(model, batch.image), pred, mask,
-                               self.cfg.model.patch_size, local_part(model, batch.valid),
+        terms = mae_loss_terms(local_part(shard, batch.image), pred, mask,
+                               self.cfg.model.patch_size, local_part(shard, batch.valid),
                                self.cfg.model.norm_pix_loss)
         return pred, mask, terms
 
