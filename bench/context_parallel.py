@@ -72,7 +72,7 @@ def step(model, rows, args, device, backward=True):
     """One forward (+ backward); returns the saved bytes of the forward."""
     import torch
 
-    from torchtitan.models.context import local_part
+    from torchtitan.models.context import context_shard, local_part
     from torchtitan.models.losses import build_loss
 
     side = args.side
@@ -82,8 +82,9 @@ def step(model, rows, args, device, backward=True):
     meter = SavedBytes(model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
         logits = model(x)
-        loss, count = build_loss("bce")(logits, local_part(model, target),
-                                        local_part(model, valid))
+        shard = context_shard(model)
+        loss, count = build_loss("bce")(logits, local_part(shard, target),
+                                        local_part(shard, valid))
     if backward:
         (loss / count).backward()
         model.zero_grad(set_to_none=True)

@@ -5,25 +5,28 @@ batch in this process alone, and a copy whose sequences are split over the two r
 (``apply_cp``). For each model it checks that the context-parallel loss (each rank's (sum,
 count) over its slab, added over the ranks) and the parameter gradients (each rank's, summed
 over the ranks, as FSDP's reduction over the CP ranks does) equal the reference's to 1e-5,
-and that in eval mode the copy returns the reference's whole output. Prints ``CP OK <case>``
-per case; any mismatch raises.
+and that in eval mode the copy returns the reference's whole output. The losses are the
+tasks' own (``SegmentationTask.loss_terms``, ``MAETask.loss_terms``), so that what training
+computes is what is checked. Prints ``CP OK <case>`` per case; any mismatch raises.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan.models.context import local_part
-from torchtitan.models.losses import build_loss
-from torchtitan.models.mae import MaskedAutoencoder, mae_loss_terms
+from torchtitan.datasets.batch import Batch
+from torchtitan.models.mae import MaskedAutoencoder
 from torchtitan.models.segmentation import SegmentationModel
 from torchtitan.models.vit import DinoVisionTransformer
 from torchtitan.parallelisms.context_parallel import apply_cp
+from torchtitan.tasks.mae import MAETask
+from torchtitan.tasks.segmentation import SegmentationTask
 
 TOL = 1e-5
 PATCH = 4
@@ -36,18 +39,16 @@ def backbone() -> DinoVisionTransformer:
                                  layerscale_init=1.0)
 
 
-def segmentation_loss(model, image, target, valid):
-    """As ``SegmentationTask.loss_terms`` takes it: on one process the linear head's logits on
-    the patch grid, resized slab by slab in the loss; under CP this rank's full-resolution slab."""
-    logits = model(image, resize=False)
-    target, valid = local_part(model, target), local_part(model, valid)
-    return build_loss("bce").resized(logits, target.shape[2:], target, valid)
+# The tasks read only these settings in loss_terms.
+SEGMENTATION = SegmentationTask(SimpleNamespace(model=SimpleNamespace(loss="bce", class_weights=[])))
+MAE = MAETask(SimpleNamespace(model=SimpleNamespace(mask_ratio=0.5, patch_size=PATCH,
+                                                    norm_pix_loss=True)))
 
 
-def mae_loss(model, image, noise, valid):
-    pred, mask = model(image, 0.5, noise)
-    return mae_loss_terms(local_part(model, image), pred, mask, PATCH, local_part(model, valid),
-                          norm_pix_loss=True)
+def batch(image, valid, **fields) -> Batch:
+    n = image.shape[0]
+    return Batch(image=image, valid=valid, index=torch.arange(n), resampled=torch.zeros(n, dtype=torch.int64),
+                 **fields)
 
 
 def check_close(name: str, ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -95,14 +96,16 @@ def main() -> int:
     for head in ("linear", "multiscale"):
         torch.manual_seed(1)
         model = SegmentationModel(backbone(), 3, head=head, head_channels=16)
+        seg_batch = batch(image, valid, target=target)
         check_case(f"segmentation_3d_{head}", model,
-                   lambda m: segmentation_loss(m, image, target, valid), lambda m: m(image), mesh)
+                   lambda m: SEGMENTATION.loss_terms(m, seg_batch), lambda m: m(image), mesh)
     torch.manual_seed(2)
     mae = MaskedAutoencoder(backbone(), decoder_dim=32, decoder_depth=2, decoder_num_heads=2)
     noise = torch.rand(2, 24)
     mae_valid = torch.ones(2, 1, *SPATIAL)
     mae_valid[0, :, :3] = 0  # padding in the first rows of one sample
-    check_case("mae_3d", mae, lambda m: mae_loss(m, image, noise, mae_valid),
+    mae_batch = batch(image, mae_valid, noise=noise)
+    check_case("mae_3d", mae, lambda m: MAE.loss_terms(m, mae_batch),
                lambda m: m(image, 0.5, noise)[0], mesh)
     dist.destroy_process_group()
     return 0

@@ -22,10 +22,10 @@ from torchtitan.inference import (
     blending_weights,
     flip_combinations,
     grid_starts,
-    num_predict_calls,
     predict_blockwise,
     predict_volume,
     sliding_window,
+    WindowPlan,
     with_flips,
 )
 
@@ -177,8 +177,36 @@ def test_zyx_planes_average_the_three_orientations():
     manual = (yx + zx.permute(0, 2, 1, 3) + zy.permute(0, 2, 3, 1)) / 3
     torch.testing.assert_close(zyx, manual, atol=1e-6, rtol=1e-6)
     assert (zyx - yx).abs().max() > 1e-3
-    assert len(calls) == num_predict_calls((21, 30, 26), (16, 16), 0.25, 8, planes="zyx")
-    assert len(calls) > num_predict_calls((21, 30, 26), (16, 16), 0.25, 8)
+    assert len(calls) == WindowPlan.build((21, 30, 26), (16, 16), 0.25, 8, planes="zyx").num_calls
+    assert len(calls) > WindowPlan.build((21, 30, 26), (16, 16), 0.25, 8).num_calls
+
+
+def test_the_plan_counts_the_forwards_of_every_block():
+    """Blockwise prediction runs, block by block, as many forwards as the plan counts for
+    those blocks; with test-time flips too (they share each forward)."""
+    shape, window = (12, 40, 35), (16, 16)
+    plan = WindowPlan.build(shape, window, 0.25, 8, planes="zyx")
+    calls = []
+
+    def model(x):
+        calls.append(x.shape[0])
+        return torch.sigmoid(x.select(1, 0).unsqueeze(1))
+
+    expected = []
+
+    def write(lo, hi, values):
+        expected.append(plan.block_calls(lo, hi))
+
+    with torch.no_grad():
+        predict_blockwise(model, lambda lo, hi: torch.zeros(1, *[h - l for l, h in zip(lo, hi)]),
+                          write, shape, window, 1, batch_size=8, block_shape=(5, 16, 16),
+                          tta_flips=True, planes="zyx")
+    assert len(calls) == sum(expected) > plan.num_calls  # windows straddling blocks run twice
+    calls.clear()
+    with torch.no_grad():
+        predict_volume(model, torch.zeros(1, *shape), window, 1, batch_size=8, tta_flips=True,
+                       planes="zyx")
+    assert len(calls) == plan.num_calls
 
 
 def test_zyx_needs_an_isotropic_grid_and_is_ignored_by_3d_models(caplog):

@@ -16,7 +16,7 @@ from torchtitan.datasets.loader import (
     split_crops,
 )
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
-from torchtitan.inference import num_predict_calls, predict_volume, sliding_window
+from torchtitan.inference import WindowPlan, predict_volume, sliding_window
 
 
 def _take(sampler, n):
@@ -129,7 +129,7 @@ def test_2d_models_predict_plane_by_plane_and_call_counts_match():
     out = predict_volume(predict, volume, (16, 16), 3, overlap=0.25, batch_size=4)
     expected = torch.stack([conv(volume[:, z][None])[0] for z in range(5)], dim=1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert len(calls) == num_predict_calls((5, 20, 40), (16, 16), 0.25, 4)
+    assert len(calls) == WindowPlan.build((5, 20, 40), (16, 16), 0.25, 4).num_calls
 
 
 def test_inputs_smaller_than_the_window_are_padded():

@@ -7,6 +7,9 @@ model sees less context) and the weighted sum is divided by the summed weights.
 One code path serves everything: :func:`sliding_window` (a volume in memory) is
 :func:`predict_blockwise` (a volume read window by window, written block by block) with a
 single block, so validation during training and ``predict.py`` give the same numbers.
+The windows a prediction runs, and how they are batched, are a :class:`WindowPlan`: the
+prediction runs the plan's batches and sharded validation counts the same batches
+(``plan.num_calls``) to pad the ranks with less work, so count and forwards cannot disagree.
 
 Options on top of the plain tiling:
 
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
@@ -183,37 +186,96 @@ def resolve_planes(planes: str, ndim: int, voxel_size: Sequence[float] | None = 
     return planes
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """The windows a prediction of a (D, H, W) volume runs, in the batches it runs them.
+
+    It is the one source of both the forwards and their count: :func:`_predict_block` runs
+    exactly the batches :meth:`batches` yields, and :attr:`num_calls` counts those same
+    batches. Sharded (FSDP) validation counts forwards before running them so that ranks
+    with less work pad with idle forwards; a count derived separately from the batching could
+    drift from it, and ranks that disagree hang in a collective.
+
+    There is one tiling per 3D window: one for a 3D model or a 2D model on yx planes, three
+    for a 2D model with ``planes="zyx"``. Test-time flips share each forward, so they do not
+    enter the plan.
+    """
+
+    shape: tuple[int, int, int]
+    windows: tuple[tuple[int, int, int], ...]  # the 3D window of each tiling
+    plane_axes: tuple[int | None, ...]  # per tiling: the axis a 2D model's planes are normal to
+    starts: tuple[tuple[tuple[int, ...], ...], ...]  # per tiling, per axis: the global grid
+    batch_size: int
+
+    @classmethod
+    def build(cls, shape: Sequence[int], window: Sequence[int], overlap: float,
+              batch_size: int, planes: str = "z",
+              voxel_size: Sequence[float] | None = None) -> WindowPlan:
+        """The plan of a volume of ``shape`` for a model whose input is ``window`` ((h, w)
+        for a 2D model, (d, h, w) for a 3D one); ``planes`` as :func:`resolve_planes`."""
+        window = tuple(int(w) for w in window)
+        if len(window) not in (2, 3):
+            raise ValueError(f"window {window}: expected 2 (h, w) or 3 (d, h, w) sizes")
+        planes = resolve_planes(planes, len(window), voxel_size)
+        shape = tuple(int(s) for s in shape)
+        tilings = [(window, None)] if len(window) == 3 else plane_windows(window, planes)
+        starts = tuple(tuple(tuple(grid_starts(s, w, overlap)) for s, w in zip(shape, w3))
+                       for w3, _ in tilings)
+        return cls(shape, tuple(w3 for w3, _ in tilings), tuple(a for _, a in tilings),
+                   starts, int(batch_size))
+
+    def batches(self, tiling: int, lo: Sequence[int], hi: Sequence[int]
+                ) -> Iterator[list[tuple[int, ...]]]:
+        """The window starts of each forward of tiling ``tiling`` that predicts the block
+        ``[lo, hi)``: the windows of the global grid that overlap the block, ``batch_size``
+        at a time.
+
+        Plane windows (one voxel thick) are visited with the thin axis fastest, so that a
+        batch holds runs of neighbouring planes. Either way the windows that cover one voxel
+        come in grid order, the same for every block, so a voxel's sum does not depend on how
+        the volume is cut into blocks."""
+        window = self.windows[tiling]
+        mine = [[s for s in st if s < h and s + w > l]
+                for st, l, h, w in zip(self.starts[tiling], lo, hi, window)]
+        thin = window.index(1) if 1 in window else None
+        order = [a for a in range(3) if a != thin] + ([thin] if thin is not None else [])
+        todo = [tuple(st[order.index(a)] for a in range(3))
+                for st in product(*[mine[a] for a in order])]
+        for i in range(0, len(todo), self.batch_size):
+            yield todo[i:i + self.batch_size]
+
+    def block_calls(self, lo: Sequence[int], hi: Sequence[int]) -> int:
+        """How many forwards the prediction of the block ``[lo, hi)`` runs (every tiling)."""
+        return sum(1 for t in range(len(self.windows)) for _ in self.batches(t, lo, hi))
+
+    @property
+    def num_calls(self) -> int:
+        """How many forwards the prediction of the whole volume runs."""
+        return self.block_calls((0, 0, 0), self.shape)
+
+
 @dataclass
 class _Tiling:
-    """One tiling of the volume: a 3D window, the callable that predicts it, its grid."""
+    """What one tiling of a :class:`WindowPlan` predicts with: the callable that predicts its
+    windows, the per-voxel weight of a window and the per-axis summed weights."""
 
     window: tuple[int, int, int]
     predict: Predict
-    starts: list[list[int]]  # per axis, in volume coordinates
     weight: torch.Tensor  # (*window)
     norm: list[torch.Tensor]  # per axis: summed weights over the whole volume
 
 
-def _tilings(predict: Predict, window: Sequence[int], shape: Sequence[int], overlap: float,
-            blend: str, tta_flips: bool, planes: str, voxel_size) -> list[_Tiling]:
-    """The tilings a prediction runs: one for a 3D model or plain 2D planes, three for "zyx"."""
-    window = tuple(int(w) for w in window)
-    if len(window) not in (2, 3):
-        raise ValueError(f"window {window}: expected 2 (h, w) or 3 (d, h, w) sizes")
-    planes = resolve_planes(planes, len(window), voxel_size)
-    if tta_flips:
-        predict = with_flips(predict, len(window))
-    if len(window) == 3:
-        tilings = [(window, predict)]
-    else:
-        tilings = [(w3, on_planes(predict, axis)) for w3, axis in plane_windows(window, planes)]
+def _tilings(predict: Predict, plan: WindowPlan, blend: str, tta_flips: bool) -> list[_Tiling]:
+    """The callables and blending weights of each tiling of ``plan``."""
+    if tta_flips:  # the flips of the model's own input: 2D for a 2D model
+        predict = with_flips(predict, 3 if plan.plane_axes[0] is None else 2)
     out = []
-    for w3, p3 in tilings:
+    for w3, axis, starts in zip(plan.windows, plan.plane_axes, plan.starts):
         profiles = [blending_profile(w, blend) for w in w3]
-        starts = [grid_starts(s, w, overlap) for s, w in zip(shape, w3)]
         weight = blending_weights(w3, blend)
-        norm = [blending_norm(s, w, st, pr) for s, w, st, pr in zip(shape, w3, starts, profiles)]
-        out.append(_Tiling(w3, p3, starts, weight, norm))
+        norm = [blending_norm(s, w, st, pr)
+                for s, w, st, pr in zip(plan.shape, w3, starts, profiles)]
+        out.append(_Tiling(w3, predict if axis is None else on_planes(predict, axis), weight, norm))
     return out
 
 
@@ -238,25 +300,17 @@ def _runs(chunk: list[tuple[int, ...]], thin: int | None) -> list[list[tuple[int
     return runs
 
 
-def _predict_block(tiling: _Tiling, read_input, lo: tuple[int, ...], hi: tuple[int, ...],
-                   num_outputs: int, batch_size: int) -> torch.Tensor:
-    """Blended prediction (num_outputs, *block) of the block ``[lo, hi)`` for one tiling."""
+def _predict_block(plan: WindowPlan, index: int, tiling: _Tiling, read_input,
+                   lo: tuple[int, ...], hi: tuple[int, ...], num_outputs: int) -> torch.Tensor:
+    """Blended prediction (num_outputs, *block) of the block ``[lo, hi)`` by the tiling
+    ``index`` of ``plan``: one forward per batch of :meth:`WindowPlan.batches`."""
     window = tiling.window
     weight = tiling.weight
     block = tuple(h - l for l, h in zip(lo, hi))
     out = torch.zeros((num_outputs, *block))
-    # Windows of the global grid that overlap the block. Plane windows (one voxel thick)
-    # are visited with the thin axis fastest, so that a batch holds runs of neighbouring
-    # planes. Either way the windows that cover one voxel come in grid order, the same for
-    # every block, so a voxel's sum does not depend on how the volume is cut into blocks.
-    mine = [[s for s in st if s < h and s + w > l]
-            for st, l, h, w in zip(tiling.starts, lo, hi, window)]
     thin = window.index(1) if 1 in window else None
-    order = [a for a in range(3) if a != thin] + ([thin] if thin is not None else [])
-    todo = [tuple(st[order.index(a)] for a in range(3))
-            for st in product(*[mine[a] for a in order])]
-    for i in range(0, len(todo), batch_size):
-        runs = _runs(todo[i:i + batch_size], thin)
+    for chunk in plan.batches(index, lo, hi):
+        runs = _runs(chunk, thin)
         windows = []
         for run in runs:
             first, n = run[0], len(run)
@@ -295,12 +349,12 @@ def _predict_block(tiling: _Tiling, read_input, lo: tuple[int, ...], hi: tuple[i
     return out
 
 
-def _predict_block_all(tilings: list[_Tiling], read_input, lo, hi, num_outputs: int,
-                       batch_size: int) -> torch.Tensor:
+def _predict_block_all(plan: WindowPlan, tilings: list[_Tiling], read_input, lo, hi,
+                       num_outputs: int) -> torch.Tensor:
     """The block predicted by every tiling, averaged (one tiling: just its prediction)."""
-    out = _predict_block(tilings[0], read_input, lo, hi, num_outputs, batch_size)
-    for tiling in tilings[1:]:
-        out.add_(_predict_block(tiling, read_input, lo, hi, num_outputs, batch_size))
+    out = _predict_block(plan, 0, tilings[0], read_input, lo, hi, num_outputs)
+    for index in range(1, len(tilings)):
+        out.add_(_predict_block(plan, index, tilings[index], read_input, lo, hi, num_outputs))
     if len(tilings) > 1:
         out.div_(len(tilings))
     return out
@@ -343,9 +397,10 @@ def sliding_window(predict: Predict, image: torch.Tensor, window: tuple[int, ...
         predict2d = with_flips(predict, 2) if tta_flips else predict
         return sliding_window(on_planes(predict2d, 0), image[:, None], (1, *window), num_outputs,
                               overlap, blend, batch_size)[:, 0]
-    tilings = _tilings(predict, window, spatial, overlap, blend, tta_flips, "z", None)
-    return _predict_block(tilings[0], _memory_reader(image), (0, 0, 0), spatial, num_outputs,
-                          batch_size)
+    plan = WindowPlan.build(spatial, window, overlap, batch_size)
+    tilings = _tilings(predict, plan, blend, tta_flips)
+    return _predict_block(plan, 0, tilings[0], _memory_reader(image), (0, 0, 0), spatial,
+                          num_outputs)
 
 
 @torch.no_grad()
@@ -359,30 +414,20 @@ def predict_volume(predict: Predict, volume: torch.Tensor, window: tuple[int, ..
     ``planes``: "z" (yx planes along z) or "zyx" (2D models: also zx and zy planes, averaged;
     ``voxel_size``, when given, must be isotropic). Returns (num_outputs, D, H, W) on the CPU.
     """
+    plan = WindowPlan.build(volume.shape[1:], window, overlap, batch_size, planes, voxel_size)
+    return predict_planned(predict, plan, volume, num_outputs, blend, tta_flips)
+
+
+@torch.no_grad()
+def predict_planned(predict: Predict, plan: WindowPlan, volume: torch.Tensor, num_outputs: int,
+                    blend: str = "gaussian", tta_flips: bool = False) -> torch.Tensor:
+    """:func:`predict_volume` with its :class:`WindowPlan` given: it runs one forward per
+    batch of ``plan``, ``plan.num_calls`` in all."""
     spatial = tuple(volume.shape[1:])
-    tilings = _tilings(predict, window, spatial, overlap, blend, tta_flips, planes, voxel_size)
-    return _predict_block_all(tilings, _memory_reader(volume), (0, 0, 0), spatial, num_outputs,
-                              batch_size)
-
-
-def num_predict_calls(spatial: tuple[int, ...], window: tuple[int, ...], overlap: float,
-                      batch_size: int, planes: str = "z") -> int:
-    """How many times :func:`predict_volume` calls ``predict`` for a (D, H, W) volume.
-
-    Sharded models (FSDP) run collectives inside every forward, so ranks that predict
-    different amounts must pad with idle forwards up to the largest count. Test-time flips do
-    not change the count (they share each forward).
-    """
-    window = tuple(window)
-    if len(window) == 3:
-        tilings = [window]
-    else:
-        tilings = [w3 for w3, _ in plane_windows(window, "zyx" if planes == "zyx" else "z")]
-    calls = 0
-    for w3 in tilings:
-        n = int(np.prod([len(grid_starts(s, w, overlap)) for s, w in zip(spatial, w3)]))
-        calls += -(-n // batch_size)
-    return calls
+    if spatial != plan.shape:
+        raise ValueError(f"a volume of shape {spatial} predicted with the plan of {plan.shape}")
+    return _predict_block_all(plan, _tilings(predict, plan, blend, tta_flips),
+                              _memory_reader(volume), (0, 0, 0), spatial, num_outputs)
 
 
 def _block_starts(size: int, block: int) -> list[tuple[int, int]]:
@@ -437,7 +482,8 @@ def predict_blockwise(predict: Predict,
     the number of blocks this rank wrote.
     """
     shape = tuple(int(s) for s in shape)
-    tilings = _tilings(predict, window, shape, overlap, blend, tta_flips, planes, voxel_size)
+    plan = WindowPlan.build(shape, window, overlap, batch_size, planes, voxel_size)
+    tilings = _tilings(predict, plan, blend, tta_flips)
     blocks = list(product(*[_block_starts(s, b) for s, b in zip(shape, block_shape or shape)]))
     if indices is None:
         indices = range(rank, len(blocks), world_size)
@@ -446,7 +492,7 @@ def predict_blockwise(predict: Predict,
         block = blocks[index]
         lo = tuple(b[0] for b in block)
         hi = tuple(b[1] for b in block)
-        write_block(lo, hi, _predict_block_all(tilings, read_input, lo, hi, num_outputs, batch_size))
+        write_block(lo, hi, _predict_block_all(plan, tilings, read_input, lo, hi, num_outputs))
         done += 1
         if progress is not None:
             progress(1)
@@ -511,8 +557,10 @@ class VolumePredictor:
                 "tta_flips": self.tta_flips, "planes": self.planes, "voxel_size": self.voxel_size}
 
     def predict_volume(self, image: torch.Tensor) -> torch.Tensor:
-        """(num_outputs, D, H, W) probabilities of a (C, D, H, W) volume in memory."""
-        return predict_volume(self, image, self.window, self.num_outputs, **self._plan())
+        """(num_outputs, D, H, W) probabilities of a (C, D, H, W) volume in memory, in the
+        forwards of :meth:`plan` (:meth:`forward_count` of them)."""
+        return predict_planned(self, self.plan(tuple(image.shape[1:])), image, self.num_outputs,
+                               self.blend, self.tta_flips)
 
     def predict_blockwise(self, read_input, write_block, shape: tuple[int, int, int],
                           block_shape: tuple[int, int, int], rank: int = 0, world_size: int = 1,
@@ -527,10 +575,15 @@ class VolumePredictor:
         """:func:`block_window` of this predictor's window and planes."""
         return block_window(self.window, self.planes)
 
+    def plan(self, shape: tuple[int, ...]) -> WindowPlan:
+        """The :class:`WindowPlan` of :meth:`predict_volume` for a (D, H, W) volume."""
+        return WindowPlan.build(shape, self.window, self.overlap, self.batch_size, self.planes,
+                                self.voxel_size)
+
     def forward_count(self, shape: tuple[int, ...]) -> int:
-        """How many forwards :meth:`predict_volume` runs for a (D, H, W) volume."""
-        return num_predict_calls(shape, self.window, self.overlap, self.batch_size,
-                                 planes=self.planes)
+        """How many forwards :meth:`predict_volume` runs for a (D, H, W) volume: those of
+        its plan, which are the batches it runs."""
+        return self.plan(shape).num_calls
 
     def idle_forwards(self, n: int) -> None:
         """``n`` forwards of a zero batch, so that a sharded model's ranks run as many

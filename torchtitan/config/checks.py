@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan.choices import HEAD_IMAGE_LEVELS, is_isotropic
+from torchtitan.config.context_parallel import config_problems as cp_config_problems
 from torchtitan.config.parsing import field_problems
 from torchtitan.errors import ConfigError
 
@@ -87,35 +88,13 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
 
 
 def _context_parallel_problems(config: JobConfig) -> list[str]:
-    """Where ``training.context_parallel_degree`` cannot split the token sequence. (That the
-    degree divides the world size is checked where the device mesh is built; that the MAE's
-    kept tokens split evenly, by the MAE task.)"""
-    cp, model = config.training.context_parallel_degree, config.model
-    if cp == 1:
-        return []
-    key = f"'training.context_parallel_degree' = {cp}"
-    if config.training.tensor_parallel_degree > 1:
-        return [f"{key} and 'training.tensor_parallel_degree' = "
-                f"{config.training.tensor_parallel_degree} do not combine; use one of them (CP "
-                "for long 3D token sequences, TP for wide models) and data parallelism for the rest"]
-    if model.ndim != 3:
-        return [f"{key} splits the token sequences of 3D models; a 2D model's sequence "
-                f"(crop {model.crop_size}, patch {model.patch_size}) fits one device: use data "
-                "parallelism, or set it to 1"]
-    problems = []
-    rows = model.crop_size[0] // model.patch_size
-    if rows % cp:
-        problems.append(
-            f"{key} must divide the patch grid's first axis, {rows} rows ('model.crop_size'[0] "
-            f"= {model.crop_size[0]} / 'model.patch_size' = {model.patch_size}): each rank takes "
-            f"an equal slab of rows; use a crop depth that is a multiple of "
-            f"{model.patch_size * cp}, or a degree that divides {rows}")
-    if model.loss in ("dice", "bce_dice"):
-        problems.append(
-            f"{key}: 'model.loss' = {model.loss!r} scores each (sample, class) over the whole "
-            "sample, which no rank holds; use 'bce' or 'ce' (sums over voxels) with context "
-            "parallelism")
-    return problems
+    """Where ``training.context_parallel_degree`` cannot split the token sequence (the rules
+    are :mod:`torchtitan.config.context_parallel`'s)."""
+    model = config.model
+    return cp_config_problems(config.training.context_parallel_degree,
+                              tensor_parallel=config.training.tensor_parallel_degree,
+                              ndim=model.ndim, crop_size=model.crop_size,
+                              patch_size=model.patch_size, loss=model.loss)
 
 
 def _ineffective_option_problems(config: JobConfig) -> list[str]:

@@ -12,9 +12,14 @@ every rank. The models need three things from the group, given to them from outs
   backward sums the gradients of all ranks and keeps this rank's part: a reduce-scatter);
 * ``n_prefix``: the number of prefix tokens at the front of every sequence.
 
-The group is used only while its model trains (``active``, set by the model's ``forward``):
-evaluation and inference run the whole input on every rank, so validation and prediction work
-with any window size.
+The split is on exactly while the model it was given to trains: ``active`` follows the
+model's mode (:class:`ContextParallelModel`'s ``train``, and :func:`use_context` when the
+shard is handed over), never what a forward did. Evaluation and inference run the whole input
+on every rank, so validation and prediction work with any window size. Code outside the model
+asks for the shard explicitly, :func:`context_shard` (None when nothing is split), and passes
+it to :func:`local_part` to take the part of its own per-voxel tensors (targets, masks) that
+matches the model's outputs. The rules of CP (which models, losses and sizes it takes) are
+in :mod:`torchtitan.config.context_parallel`.
 """
 
 from __future__ import annotations
@@ -25,22 +30,23 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from torchtitan.config.context_parallel import slab_size
+
 
 @dataclass(eq=False)
 class SequenceShard:
+    """This rank's part of a context-parallel group; one object shared by every module of a
+    model (:func:`use_context`), so that they all split while the model trains."""
+
     rank: int
     size: int
     gather: Callable[[Tensor, int], Tensor]
     n_prefix: int
-    active: bool = False
+    active: bool = False  # the model's training mode (see the module docstring)
 
     def slab(self, t: Tensor, dim: int) -> Tensor:
         """This rank's contiguous part of ``t`` along ``dim`` (``t.shape[dim]`` splits evenly)."""
-        n = t.shape[dim]
-        if n % self.size:
-            raise ValueError(
-                f"context parallelism {self.size} cannot split a sequence axis of {n} evenly")
-        part = n // self.size
+        part = slab_size(t.shape[dim], self.size)
         return t.narrow(dim, self.rank * part, part)
 
     def gather_kv(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,20 +58,42 @@ class SequenceShard:
         return (torch.cat([k[:, :, :p], kv[0]], dim=2), torch.cat([v[:, :, :p], kv[1]], dim=2))
 
 
-def active_shard(module: nn.Module) -> SequenceShard | None:
-    """The sequence shard ``module`` is working under now, or None (no CP, or not training).
-    ``module`` may be the model or a wrapper whose ``module`` attribute is the model."""
-    shard = getattr(module, "context", None)
-    if shard is None and isinstance(getattr(module, "module", None), nn.Module):
-        shard = getattr(module.module, "context", None)
+def in_use(shard: SequenceShard | None) -> SequenceShard | None:
+    """``shard`` while its model trains, else None: what a layer given ``shard`` splits by."""
     return shard if shard is not None and shard.active else None
 
 
-def local_part(module: nn.Module, t: Tensor | None, dim: int = 2) -> Tensor | None:
+class ContextParallelModel(nn.Module):
+    """A model whose token sequences context parallelism may split (the segmentation model,
+    the MAE): it holds the group's shard and keeps the shard's ``active`` equal to its own
+    training mode, so that its layers split exactly while it trains."""
+
+    context: SequenceShard | None = None  # set by use_context
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.context is not None:
+            self.context.active = mode
+        return self
+
+    def context_shard(self) -> SequenceShard | None:
+        """The shard whose part of every sample this model computes now: its group's while it
+        trains under context parallelism, else None (the whole sample)."""
+        return in_use(self.context)
+
+
+def context_shard(model: nn.Module) -> SequenceShard | None:
+    """:meth:`ContextParallelModel.context_shard` of ``model``, or of the model a wrapper
+    holds as ``module`` (DDP); None for a model without context parallelism."""
+    if not isinstance(model, ContextParallelModel) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model.context_shard() if isinstance(model, ContextParallelModel) else None
+
+
+def local_part(shard: SequenceShard | None, t: Tensor | None, dim: int = 2) -> Tensor | None:
     """The part of a per-voxel tensor (an image, targets, a validity mask; (B, C, *spatial))
-    that matches this rank's outputs of ``module`` under context parallelism; ``t`` itself
-    otherwise."""
-    shard = active_shard(module)
+    that matches a model's outputs computed under ``shard`` (:func:`context_shard`): this
+    rank's slab along ``dim``; ``t`` itself when ``shard`` is None."""
     if t is None or shard is None:
         return t
     return shard.slab(t, dim)
@@ -73,7 +101,10 @@ def local_part(module: nn.Module, t: Tensor | None, dim: int = 2) -> Tensor | No
 
 def use_context(model: nn.Module, shard: SequenceShard | None) -> None:
     """Give every module of ``model`` that has a ``context`` attribute (the attention layers,
-    the ViTs, the MAE and segmentation models) the same ``shard``."""
+    the ViTs, the MAE and segmentation models) the same ``shard``, active while ``model`` (a
+    :class:`ContextParallelModel`, which keeps it in step with its mode) trains."""
+    if shard is not None:
+        shard.active = isinstance(model, ContextParallelModel) and model.training
     for module in model.modules():
         if hasattr(module, "context"):
             module.context = shard

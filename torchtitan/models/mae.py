@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from torchtitan.choices import num_kept_patches
 
-from .context import SequenceShard
+from .context import ContextParallelModel, SequenceShard, in_use
 from .rope import RopePositionEmbedding
 from .vit import Block, DinoVisionTransformer, init_vit_module
 
@@ -185,7 +185,7 @@ class MAEDecoder(nn.Module):
         of all ranks are gathered (they are in the shuffled order, so the hidden ones can be
         placed), and the decoder runs on this rank's slab of the patch grid; the predictions
         are those of the slab's patches."""
-        shard = self.context if self.context is not None and self.context.active else None
+        shard = in_use(self.context)
         x = self.embed(x)
         prefix, visible = x[:, :n_prefix], x[:, n_prefix:]
         if shard is not None:
@@ -205,7 +205,7 @@ class MAEDecoder(nn.Module):
 
 
 # --------------------------------------------------------------------------- model
-class MaskedAutoencoder(nn.Module):
+class MaskedAutoencoder(ContextParallelModel):
     """MAE with a ``DinoVisionTransformer`` encoder.
 
     ``forward(imgs, mask_ratio, noise) -> (pred, mask)``; then
@@ -258,7 +258,7 @@ class MaskedAutoencoder(nn.Module):
         enc = self.encoder
         x, grid = enc.embed_patches(imgs)
         x, mask, ids_restore, ids_keep = random_masking(x, mask_ratio, noise)
-        shard = self.context if self.context is not None and self.context.active else None
+        shard = self.context_shard()
         if shard is not None:
             x, ids_keep = shard.slab(x, 1), shard.slab(ids_keep, 1)
         sin, cos = enc.rope_embed(grid)  # (N, head_dim)
@@ -278,11 +278,11 @@ class MaskedAutoencoder(nn.Module):
     def forward(self, imgs: Tensor, mask_ratio: float, noise: Tensor) -> tuple[Tensor, Tensor]:
         """Predictions for every patch (B, N, patch_dim) and the mask (B, N), 1 = hidden.
         Under context parallelism (training), those of this rank's slab of the patch grid:
-        ``context.local_part`` gives the matching slab of the image for the loss."""
-        if self.context is not None:
-            self.context.active = self.training
+        ``context.local_part(context_shard(model), imgs)`` gives the matching slab of the
+        image for the loss."""
         latent, mask, ids_restore, grid = self.forward_encoder(imgs, mask_ratio, noise)
         pred = self.forward_decoder(latent, ids_restore, grid)
-        if self.context is not None and self.context.active:
-            mask = self.context.slab(mask, 1)
+        shard = self.context_shard()
+        if shard is not None:
+            mask = shard.slab(mask, 1)
         return pred, mask

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from torchtitan.choices import HEAD_IMAGE_LEVELS, OUT_LAYER_SETS
 
-from .context import SequenceShard
+from .context import ContextParallelModel, SequenceShard
 from .resize import resize_linear
 from .vit import DinoVisionTransformer
 
@@ -297,7 +297,7 @@ HEAD_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
-class SegmentationModel(nn.Module):
+class SegmentationModel(ContextParallelModel):
     """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
 
     ``head``: "linear", "upconv" or "multiscale" (``head_channels`` sets the width of the
@@ -366,10 +366,9 @@ class SegmentationModel(nn.Module):
         (``Loss.resized``); ignored under context parallelism in training, where the output
         is always this rank's slab at ``output_size``."""
         output_size = tuple(x.shape[2:] if output_size is None else output_size)
-        if self.context is not None:
-            self.context.active = self.training
-            if self.training:
-                return self._forward_context_parallel(x, output_size, self.context)
+        shard = self.context_shard()
+        if shard is not None:
+            return self._forward_context_parallel(x, output_size, shard)
         if isinstance(self.head, LinearHead):
             logits = self._head_logits(x)
         else:

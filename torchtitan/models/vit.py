@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import ATTENTION_BACKENDS, attention
-from .context import SequenceShard
+from .context import SequenceShard, in_use
 from .rope import RopePositionEmbedding, rope_apply
 
 Rope = tuple[Tensor, Tensor]  # (sin, cos), each (N, head_dim) or (B, N, head_dim)
@@ -170,9 +170,10 @@ class SelfAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         if rope is not None:
             q, k = self.apply_rope(q, k, rope)
-        if self.context is not None and self.context.active:
+        shard = in_use(self.context)
+        if shard is not None:
             # Context parallelism: this rank's queries attend to every rank's keys and values.
-            k, v = self.context.gather_kv(k, v)
+            k, v = shard.gather_kv(k, v)
         x = attention(q, k, v, self.attention)
         return self.proj(x.transpose(1, 2).reshape(B, N, -1))
 
@@ -452,8 +453,8 @@ class DinoVisionTransformer(nn.Module):
         """RoPE tables for the patches of ``grid``. Under context parallelism ``grid`` is this
         rank's slab of a grid ``size`` times as deep, and the rows are the slab's, taken from
         the whole grid (positions are global)."""
-        shard = self.context
-        if shard is None or not shard.active:
+        shard = in_use(self.context)
+        if shard is None:
             return self.rope_embed(grid)
         sin, cos = self.rope_embed((grid[0] * shard.size, *grid[1:]))
         return shard.slab(sin, 0), shard.slab(cos, 0)

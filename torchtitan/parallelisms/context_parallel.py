@@ -26,7 +26,9 @@ those of one process. They are reduced by FSDP over the flattened ``dp_shard`` x
 scaled by the number of ranks it is averaged over.
 
 Evaluation (``model.eval()``) runs the whole input on every rank of the group, so validation
-and prediction work with any window size.
+and prediction work with any window size. The loss asks the model which part of every sample
+it computed (``models/context.py``: ``context_shard``, ``local_part``). The rules of which
+configurations CP takes are :mod:`torchtitan.config.context_parallel`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import Tensor
 from torch.distributed._functional_collectives import all_gather_single
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.models.context import SequenceShard, use_context
+from torchtitan.models.context import ContextParallelModel, SequenceShard, use_context
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,12 @@ def _prefix_tokens(model: nn.Module) -> int:
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> SequenceShard:
-    """Make ``model`` split its token sequences over ``cp_mesh`` while it trains."""
+    """Make ``model`` split its token sequences over ``cp_mesh`` while it trains. The model
+    must be a :class:`ContextParallelModel`: it is what switches the split with its mode and
+    tells the task which part of every sample it computes."""
+    if not isinstance(model, ContextParallelModel):
+        raise ValueError(f"context parallelism splits a ContextParallelModel (the segmentation "
+                         f"model, the MAE), not a {type(model).__name__}")
     group = cp_mesh.get_group()
 
     def gather(t: Tensor, dim: int) -> Tensor:

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.config.context_parallel import mae_problems
 from torchtitan.datasets.augment import augment_on_device
-from torchtitan.choices import num_kept_patches
 from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
 from torchtitan.datasets.volume_source import VolumeSource, build_source
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
-from torchtitan.models.context import local_part
+from torchtitan.models.context import context_shard, local_part
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify
 from torchtitan.tasks.base import ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -51,15 +51,14 @@ class MAETask(TaskBase):
         self.train_dataset()  # held-out crops that leave no room for training fail here
 
     def _check_context_parallel(self) -> None:
-        """Under context parallelism each rank encodes an equal part of the kept patches."""
-        cp, m = self.cfg.training.context_parallel_degree, self.cfg.model
-        kept = num_kept_patches(self.num_patches(), m.mask_ratio)
-        if cp > 1 and kept % cp:
-            raise ConfigError(
-                f"'training.context_parallel_degree' = {cp} must divide the number of patches "
-                f"the MAE encoder keeps, {kept} ({self.num_patches()} patches of crop "
-                f"{m.crop_size} at 'model.mask_ratio' = {m.mask_ratio}); change the mask ratio "
-                "or the crop size")
+        """Under context parallelism each rank encodes an equal part of the kept patches
+        (:func:`torchtitan.config.context_parallel.mae_problems`)."""
+        m = self.cfg.model
+        problems = mae_problems(self.cfg.training.context_parallel_degree,
+                                crop_size=m.crop_size, patch_size=m.patch_size,
+                                mask_ratio=m.mask_ratio)
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     def num_patches(self) -> int:
         return math.prod(c // self.cfg.model.patch_size for c in self.cfg.model.crop_size)
@@ -85,11 +84,12 @@ class MAETask(TaskBase):
 
     def _forward(self, model, batch):
         """(pred, mask, (sum, count)) of one batch."""
+        shard = context_shard(model)  # the part of every sample the model computes (or None)
         pred, mask = model(batch.image, self.cfg.model.mask_ratio, batch.noise)
         # The loss, once, outside the model: on the fp32 image (FSDP casts the model's inputs),
         # under context parallelism on the slab of it whose patches this rank predicted.
-        terms = mae_loss_terms(local_part(model, batch.image), pred, mask,
-                               self.cfg.model.patch_size, local_part(model, batch.valid),
+        terms = mae_loss_terms(local_part(shard, batch.image), pred, mask,
+                               self.cfg.model.patch_size, local_part(shard, batch.valid),
                                self.cfg.model.norm_pix_loss)
         return pred, mask, terms
 

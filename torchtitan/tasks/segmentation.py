@@ -20,7 +20,7 @@ from torchtitan.models import (
     build_loss,
     training_flops_per_sample,
 )
-from torchtitan.models.context import local_part
+from torchtitan.models.context import context_shard, local_part
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -103,9 +103,10 @@ class SegmentationTask(TaskBase):
         memory and time. Under context parallelism the logits are this rank's slab at full
         resolution: so are the targets."""
         m = self.cfg.model
+        shard = context_shard(model)  # the part of every sample the model computes (or None)
         logits = model(batch.image, output_size=batch.target.shape[2:], resize=False)
         weights = torch.tensor(m.class_weights, device=logits.device) if m.class_weights else None
-        target, valid = local_part(model, batch.target), local_part(model, batch.valid)
+        target, valid = local_part(shard, batch.target), local_part(shard, batch.valid)
         return build_loss(m.loss, weights).resized(logits, target.shape[2:], target, valid)
 
     # -- validation -----------------------------------------------------------------------------
