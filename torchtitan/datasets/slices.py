@@ -35,7 +35,6 @@ from torchtitan.datasets.augment import (
     draw_plan,
     intensity_params,
     read_shape,
-    resample,
     resample_matrix,
     training_augmentation,
 )
@@ -44,6 +43,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.loader import split_crops
 from torchtitan.datasets.mae_samples import best_draw, foreground_fraction
+from torchtitan.datasets.resampling import resample
 from torchtitan.datasets.samples import SampleArrays, normalize_em, sample_rng
 from torchtitan.datasets.slice_index import (
     OURS,
