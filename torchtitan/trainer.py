@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchtitan.checkpoint import CheckpointManager, ResumePlan, plan_resume, read_best
 from torchtitan.checkpoint_reading import complete_steps
 from torchtitan.config_manager import ConfigManager, JobConfig
-from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.augment import Augmenter
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, CheckpointError, ConfigError, UserError
@@ -275,7 +275,7 @@ class Trainer:
         gradients are dropped; the data position advances, so the bad batch is not retried.
         """
         # Two steps: model inputs on the device, then the augmentation drawn for the device.
-        batch = augment_on_device(batch.to(self.device))
+        batch = Augmenter.device(batch.to(self.device))
         with self.autocast:
             loss_sum, count = self.task.loss_terms(self.model, batch)
         # Normalise by the GLOBAL count so that gradient averaging over data-parallel ranks
