@@ -30,11 +30,14 @@ def _sample(g: int, intensity: bool = False) -> Sample:
 
 
 class _Samples(Dataset):
+    def __init__(self, intensity: bool = False):
+        self.intensity = intensity
+
     def __len__(self) -> int:
         return 2**62
 
     def __getitem__(self, g: int) -> Sample:
-        return _sample(g)
+        return _sample(g, self.intensity)
 
 
 def test_collate_makes_a_batch_of_named_fields():
@@ -58,11 +61,13 @@ def test_collate_makes_a_batch_of_named_fields():
 def test_loader_workers_ship_batches_in_shared_memory():
     from torchtitan.datasets.loader import build_loader
 
-    loader = build_loader(_Samples(), 4, 0, 1, start_step=1, num_workers=1)
+    loader = build_loader(_Samples(intensity=True), 4, 0, 1, start_step=1, num_workers=1)
     batch = next(iter(loader))
     assert isinstance(batch, Batch) and batch.index.tolist() == [4, 5, 6, 7]
     assert batch.image.is_shared() and batch.valid.is_shared()
-    assert torch.equal(batch.image, collate([_sample(g) for g in range(4, 8)]).image)
+    assert batch.augmentation.intensity.is_shared()  # the payload collated in the worker too
+    expected = collate([_sample(g, intensity=True) for g in range(4, 8)])
+    assert torch.equal(batch.image, expected.image) and batch.augmentation == expected.augmentation
 
 
 def test_batch_pins_through_the_loaders_pin_function(monkeypatch):
@@ -71,9 +76,13 @@ def test_batch_pins_through_the_loaders_pin_function(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone().fill_(7))
     pinned = torch_pin_memory(batch)  # what the DataLoader's pinning thread calls
     assert isinstance(pinned, Batch) and isinstance(pinned.augmentation, DeviceAugmentation)
-    tensors = {**vars(pinned), **{f"augmentation.{k}": v for k, v in vars(pinned.augmentation).items()}}
-    originals = {**vars(batch), **{f"augmentation.{k}": v for k, v in vars(batch.augmentation).items()}}
-    for name, value in tensors.items():
+
+    def tensors(b: Batch) -> dict:
+        """The batch's fields, its augmentation payload's among them."""
+        return {**vars(b), **{f"augmentation.{k}": v for k, v in vars(b.augmentation).items()}}
+
+    originals = tensors(batch)
+    for name, value in tensors(pinned).items():
         if value is None or name == "augmentation":
             continue
         if torch.cuda.is_available():

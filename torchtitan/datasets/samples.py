@@ -300,7 +300,7 @@ class SampleDataset(Dataset):
         around the sample in a buffer, see :attr:`SampleArrays.in_buffer`).
 
         ``reader(origin, shape)`` returns a :class:`SampleArrays` of 3D arrays (C, D, H, W);
-        ``fills`` the value label groups read outside the box. Returns the box, the plan and
+        ``fills``: what each label group reads outside the box. Returns the box, the plan and
         the frame's voxel size. With rotation or zoom on, the augmenter asks for a larger box
         around the sample; its origin is snapped to the EM level's grid here, and the rest of
         the centre's offset handed on as ``shift``.
