@@ -209,7 +209,7 @@ def _switched_on(params) -> str:
 def augment_summary(cfg, samples=None) -> str:
     """The augmentation the config asks for and, where it differs, what the dataset applies."""
     asked = _switched_on(cfg.augmentation)
-    applied = getattr(samples, "aug", None)
+    applied = getattr(getattr(samples, "augmenter", None), "params", None)
     if applied is not None and dataclasses.is_dataclass(applied):
         applied = _switched_on(applied)
         if applied != asked:
@@ -540,28 +540,28 @@ def run_profile(samples, n: int, draws) -> None:
 
 
 def device_share(samples, n: int) -> None:
-    print(f"left to the device (Batch.to + augment_on_device on this CPU, one thread): "
+    print(f"left to the device (Batch.to + Augmenter.device on this CPU, one thread): "
           f"{device_seconds(samples, range(1, n + 1)) / n * 1e3:.0f} ms/sample")
 
 
 def device_seconds(samples, indices) -> float:
     """CPU seconds of what is still done to these samples on the device (``Batch.to``:
-    normalising raw EM; ``augment_on_device``: rotation and zoom with ``resample_on=device``,
+    normalising raw EM; ``Augmenter.device``: rotation and zoom with ``resample_on=device``,
     intensity changes), one sample (a batch of one) at a time on one thread: the price of a
     CPU-only run; a GPU does it in next to no time."""
     import torch
 
-    from torchtitan.datasets.augment import augment_on_device
+    from torchtitan.datasets.augment import Augmenter
     from torchtitan.datasets.batch import collate
 
     batches = [collate([samples[g]]) for g in indices]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        augment_on_device(batches[0].to("cpu"))
+        Augmenter.device(batches[0].to("cpu"))
         start = time.process_time()
         for batch in batches:
-            augment_on_device(batch.to("cpu"))
+            Augmenter.device(batch.to("cpu"))
         spent = time.process_time() - start
     finally:
         torch.set_num_threads(threads)
@@ -623,7 +623,7 @@ def run_breakdown(args, n: int) -> None:
     print(f"\n{args.crop}^3 samples at {VOXEL_NM[0]:g} nm, classes {','.join(args.classes)}, "
           f"one process, {n} samples per repeat, median of {args.repeats} (min-max), CPU ms "
           "per sample; 'workers' = samples[g] (what a loader worker does), 'device' = Batch.to "
-          "+ augment_on_device on this CPU, one thread")
+          "+ Augmenter.device on this CPU, one thread")
     med = {k: statistics.median(v) for k, v in worker.items()}
     print(f"{'setting':24s} {'workers ms':>20s} {'x none':>7s} {'device ms':>20s}  "
           "options switched on")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.augment import Augmenter
 from torchtitan.datasets.loader import build_loader
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallelize import clip_grad_norm_
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     loader = build_loader(task.train_dataset(), args.batch, 0, 1, 0, 0)
     batches = []
     for batch in loader:  # the trainer's batches of a one-rank run, drawn once for every run
-        batches.append(augment_on_device(batch.to(torch.device("cpu"))))
+        batches.append(Augmenter.device(batch.to(torch.device("cpu"))))
         if len(batches) == args.steps:
             break
     results = {seeds: train(task, cfg, batches, args.steps, args.log_every, seeds)

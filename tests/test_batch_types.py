@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from torchtitan.config.manager import JobConfig
-from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.augment import Augmenter, DeviceAugmentation
 from torchtitan.datasets.batch import Batch, Sample, collate
 from torchtitan.datasets.samples import normalize_em
 from torchtitan.tasks import MAETask, SegmentationTask, Task, ValidationContext
@@ -23,17 +23,21 @@ def _sample(g: int, intensity: bool = False) -> Sample:
                     target=torch.from_numpy(rng.integers(0, 2, (2, 8, 8), dtype=np.uint8)),
                     index=g, resampled=g % 2)
     if intensity:
-        sample.intensity = torch.tensor([1.1, 0.9, 0.1, 0, 0, 0.7], dtype=torch.float32)
-        sample.noise_seed = torch.tensor(g, dtype=torch.int64)
+        sample.augmentation = DeviceAugmentation(
+            intensity=torch.tensor([1.1, 0.9, 0.1, 0, 0, 0.7], dtype=torch.float32),
+            noise_seed=torch.tensor(g, dtype=torch.int64))
     return sample
 
 
 class _Samples(Dataset):
+    def __init__(self, intensity: bool = False):
+        self.intensity = intensity
+
     def __len__(self) -> int:
         return 2**62
 
     def __getitem__(self, g: int) -> Sample:
-        return _sample(g)
+        return _sample(g, self.intensity)
 
 
 def test_collate_makes_a_batch_of_named_fields():
@@ -42,19 +46,28 @@ def test_collate_makes_a_batch_of_named_fields():
     assert batch.image.shape == (3, 1, 8, 8) and batch.target.shape == (3, 2, 8, 8)
     assert batch.index.tolist() == [0, 1, 2] and batch.index.dtype == torch.int64
     assert batch.resampled.tolist() == [0, 1, 0]
-    assert batch.noise is None and batch.geometry is None and not batch.augments_on_device
-    with pytest.raises(ValueError, match="intensity"):
+    assert batch.noise is None and batch.augmentation is None
+    with pytest.raises(ValueError, match="augmentation"):
         collate([_sample(0), _sample(1, intensity=True)])
+    mixed = _sample(1, intensity=True)
+    mixed.augmentation.noise_seed = None
+    with pytest.raises(ValueError, match="augmentation.noise_seed"):
+        collate([_sample(0, intensity=True), mixed])
+    both = collate([_sample(g, intensity=True) for g in range(3)]).augmentation
+    assert both.intensity.shape == (3, 6) and both.noise_seed.tolist() == [0, 1, 2]
+    assert both.geometry is None and both.label_axes is None
 
 
 def test_loader_workers_ship_batches_in_shared_memory():
     from torchtitan.datasets.loader import build_loader
 
-    loader = build_loader(_Samples(), 4, 0, 1, start_step=1, num_workers=1)
+    loader = build_loader(_Samples(intensity=True), 4, 0, 1, start_step=1, num_workers=1)
     batch = next(iter(loader))
     assert isinstance(batch, Batch) and batch.index.tolist() == [4, 5, 6, 7]
     assert batch.image.is_shared() and batch.valid.is_shared()
-    assert torch.equal(batch.image, collate([_sample(g) for g in range(4, 8)]).image)
+    assert batch.augmentation.intensity.is_shared()  # the payload collated in the worker too
+    expected = collate([_sample(g, intensity=True) for g in range(4, 8)])
+    assert torch.equal(batch.image, expected.image) and batch.augmentation == expected.augmentation
 
 
 def test_batch_pins_through_the_loaders_pin_function(monkeypatch):
@@ -62,13 +75,19 @@ def test_batch_pins_through_the_loaders_pin_function(monkeypatch):
     if not torch.cuda.is_available():  # a CPU-only build cannot pin: mark instead
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone().fill_(7))
     pinned = torch_pin_memory(batch)  # what the DataLoader's pinning thread calls
-    assert isinstance(pinned, Batch)
-    for name, value in vars(pinned).items():
-        if value is None:
+    assert isinstance(pinned, Batch) and isinstance(pinned.augmentation, DeviceAugmentation)
+
+    def tensors(b: Batch) -> dict:
+        """The batch's fields, its augmentation payload's among them."""
+        return {**vars(b), **{f"augmentation.{k}": v for k, v in vars(b.augmentation).items()}}
+
+    originals = tensors(batch)
+    for name, value in tensors(pinned).items():
+        if value is None or name == "augmentation":
             continue
         if torch.cuda.is_available():
             assert value.is_pinned(), name
-            assert torch.equal(value, getattr(batch, name)), name
+            assert torch.equal(value, originals[name]), name
         else:
             assert bool((value == 7).all()), name
 
@@ -81,15 +100,15 @@ def test_batch_moves_to_the_device_then_is_augmented_there():
     expected = torch.from_numpy(normalize_em(batch.image.numpy()))
     assert torch.equal(moved.image.cpu(), expected)  # bit for bit the host normalisation
     assert moved.target.dtype == moved.valid.dtype == torch.float32
-    # The plan and the bookkeeping stay on the host (read there without a device sync).
-    assert moved.intensity.device.type == "cpu" and moved.index.device.type == "cpu"
-    out = augment_on_device(moved)
-    assert out.intensity is None and out.noise_seed is None and not out.augments_on_device
+    # The payload and the bookkeeping stay on the host (read there without a device sync).
+    assert moved.augmentation.intensity.device.type == "cpu" and moved.index.device.type == "cpu"
+    out = Augmenter.device(moved)
+    assert out.augmentation is None
     assert out.image.device.type == device.type and out.image.shape == moved.image.shape
     assert not torch.allclose(out.image, moved.image)
     assert torch.equal(out.target, moved.target) and torch.equal(out.valid, moved.valid)
     plain = collate([_sample(0)]).to(device)
-    assert augment_on_device(plain) is plain  # nothing left to do
+    assert Augmenter.device(plain) is plain  # nothing left to do
 
 
 def test_both_tasks_satisfy_the_task_protocol():

@@ -23,7 +23,7 @@ from torchtitan.cellmap.classes import (
     atoms,
     check_class_names,
 )
-from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.augment import Augmenter
 from torchtitan.datasets.batch import Batch, Sample, collate
 from torchtitan.datasets.mae_samples import MAESamples
 from torchtitan.datasets.samples import SegmentationSamples, samples_kwargs
@@ -94,7 +94,7 @@ def present(item) -> np.ndarray:
 def inputs(sample: Sample) -> Batch:
     """One sample as training sees it: a batch of one, moved (to the CPU here), then
     augmented on the "device"."""
-    return augment_on_device(collate([sample]).to("cpu"))
+    return Augmenter.device(collate([sample]).to("cpu"))
 
 
 def same_sample(a: Sample, b: Sample) -> bool:
@@ -350,7 +350,8 @@ def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path
                             resample_on=where)
         ds = SegmentationSamples([src], src.crops, ["mito"], vox, crop_size, seed=5,
                                  augmentation=aug, planes=planes)
-        assert ds.device_geometry == (where == "device") and ds.em_uint8 == (where == "device")
+        assert ds.augmenter.resamples_on_device == (where == "device")
+        assert ds.em_uint8 == (where == "device")
         made[where] = [inputs(ds[g]) for g in range(8)]
     for a, b in zip(made["workers"], made["device"]):
         assert torch.equal(a.target, b.target) and torch.equal(a.valid, b.valid)
@@ -370,9 +371,10 @@ def test_intensity_augmentations_touch_em_only(em_labels):
         x, y = a[g], b[g]
         assert torch.equal(x.target, y.target) and torch.equal(x.valid, y.valid)
         # The changes are drawn with the sample and made on the device.
-        assert torch.equal(x.image, y.image) and y.intensity is not None and x.intensity is None
+        assert torch.equal(x.image, y.image) and x.augmentation is None
+        assert y.augmentation.intensity is not None and y.augmentation.noise_seed is not None
         x, y = inputs(x), inputs(y)
-        assert y.intensity is None and y.noise_seed is None
+        assert y.augmentation is None
         assert torch.equal(x.target, y.target) and torch.equal(x.valid, y.valid)
         assert not torch.allclose(x.image, y.image, atol=1e-3)
 
@@ -638,16 +640,17 @@ def test_device_geometry_equals_host_resampling(ndim, vox):
     what its samples give alone; nearest neighbour on the host agrees, and the labels' flips
     made on the device from ``axis_map`` equal ``apply_flips``."""
     from torchtitan.datasets.augment import (
-        apply_axis_map, apply_flips, apply_geometry, axis_map, device_geometry, draw_plan,
+        Augmenter, apply_axis_map, apply_flips, apply_geometry, axis_map, device_geometry,
         max_read_shape, nearest_from_geometry, read_shape, resample, resample_matrix)
 
     rng = np.random.default_rng(ndim)
     shape = (10, 12, 12)[-ndim:] if ndim == 3 else (12, 12)
     params = Augmentation(rot90=True, rotate_deg=180, scale=0.3)
+    draw = Augmenter(params).draw
     buffer_shape = max_read_shape(shape, vox, params)
     buffers, geometries, expected = [], [], []
     for _ in range(12):
-        plan = draw_plan(rng, params, shape, vox)
+        plan = draw(rng, shape, vox)
         matrix = resample_matrix(plan, vox)
         box = read_shape(shape, matrix)
         assert all(b <= m for b, m in zip(box, buffer_shape)), (box, buffer_shape)
@@ -674,5 +677,5 @@ def test_device_geometry_equals_host_resampling(ndim, vox):
     alone = apply_geometry(torch.from_numpy(buffers[3])[None],
                            torch.from_numpy(geometries[3])[None].float(), shape)
     assert torch.equal(alone[0], out[3])
-    assert max(np.prod(read_shape(shape, resample_matrix(draw_plan(rng, params, shape, vox), vox)))
+    assert max(np.prod(read_shape(shape, resample_matrix(draw(rng, shape, vox), vox)))
                for _ in range(200)) > 0.8 * np.prod(buffer_shape)  # the bound is not loose

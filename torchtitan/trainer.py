@@ -33,7 +33,7 @@ from torchtitan.checkpoint.manager import CheckpointManager, ResumePlan, plan_re
 from torchtitan.checkpoint.reading import complete_steps, step_folder
 from torchtitan.checkpoint.train_state import TrainState
 from torchtitan.config.manager import ConfigManager, JobConfig
-from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.augment import Augmenter
 from torchtitan.datasets.batch import Batch
 from torchtitan.datasets.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
@@ -245,7 +245,7 @@ class Trainer:
         gradients are dropped; the data position advances, so the bad batch is not retried.
         """
         # Two steps: model inputs on the device, then the augmentation drawn for the device.
-        batch = augment_on_device(batch.to(self.device))
+        batch = Augmenter.device(batch.to(self.device))
         with self.autocast:
             loss_sum, count = self.task.loss_terms(self.model, batch)
         # Normalise by the GLOBAL count so that gradient averaging over data-parallel ranks

@@ -1,6 +1,11 @@
 """Training augmentations: geometric ones applied alike to EM and labels, intensity ones to EM
-only (drawn with the sample, made on the device by :func:`apply_intensity`). Every parameter
-is drawn from the sample's own generator.
+only. Every parameter is drawn from the sample's own generator.
+
+:class:`Augmenter`, made from the config's ``[augmentation]`` section, is the one object the
+datasets ask: it draws a sample's :class:`Plan`, applies the host part in the loader worker
+and packs the rest into one :class:`DeviceAugmentation`, which the sample and its batch carry
+(``augmentation``) until :meth:`Augmenter.device` makes it on the device. A new augmentation
+is an option of the config section and code here.
 
 Arrays here are (C, *spatial) in the sample's frame: (C, H, W) for 2D samples (whatever
 plane they were cut from) and (C, D, H, W) for 3D. ``vox`` is the frame's voxel size in nm.
@@ -16,58 +21,27 @@ Geometry, in the order applied:
 
 With ``resample_on`` "device" (the default on a GPU) the linear interpolation of EM and the
 labels' flips are left to the device: the sample carries the read box and one affine map
-(:func:`device_geometry`, :func:`apply_geometry`, :func:`axis_map`).
+(:func:`device_geometry`, :func:`apply_geometry`, :func:`axis_map`). Intensity changes are
+always made on the device (:func:`apply_intensity`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
-import scipy.ndimage as ndi
 import torch
 import torch.nn.functional as F
+from torch.utils.data import default_collate
 
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets.batch import Batch
-
-
-# Which augmentations are on and how strong is the config's ``[augmentation]`` section
-# (:class:`~torchtitan.config.manager.Augmentation`); what follows from it is derived here.
-
-
-def training_augmentation(augmentation: Augmentation | None, augment: bool) -> Augmentation:
-    """The augmentation a dataset applies: ``augmentation`` (default: the section's defaults)
-    when ``augment``, else none at all (validation streams)."""
-    if not augment:
-        return Augmentation(flips=False)
-    return augmentation if augmentation is not None else Augmentation()
-
-
-def resamples(aug: Augmentation) -> bool:
-    """Whether rotation or zoom is on (the sample is resampled from a larger box)."""
-    return aug.rotate_deg > 0 or aug.scale > 0
-
-
-def resamples_on_device(aug: Augmentation) -> bool:
-    """Whether EM is rotated and zoomed on the device (see :func:`apply_geometry`);
-    ``resample_on="auto"`` chooses the device when CUDA is available."""
-    if not resamples(aug):
-        return False
-    if aug.resample_on == "auto":
-        return torch.cuda.is_available()
-    return aug.resample_on == "device"
-
-
-def changes_intensity(aug: Augmentation) -> bool:
-    """Whether any intensity augmentation is on."""
-    return aug.contrast > 0 or aug.gamma > 0 or aug.noise_std > 0 or aug.blur_sigma > 0
+from torchtitan.datasets.resampling import resample
 
 
 @dataclass
 class Plan:
-    """Everything drawn for one sample's augmentation."""
+    """What :meth:`Augmenter.draw` draws for one sample (the noise seed aside)."""
 
     flip: list[bool] = field(default_factory=list)
     swap: bool = False
@@ -83,30 +57,6 @@ def _isotropic_pairs(shape, vox) -> list[tuple[int, int]]:
     n = len(shape)
     return [(a, b) for a in range(n) for b in range(a + 1, n)
             if shape[a] == shape[b] and math.isclose(vox[a], vox[b], rel_tol=1e-6)]
-
-
-def draw_plan(rng: np.random.Generator, params: Augmentation, shape, vox) -> Plan:
-    """Draw one sample's augmentation. Flips come first and draw exactly what the earlier
-    flips-only pipeline drew, so default settings reproduce its samples."""
-    ndim = len(shape)
-    plan = Plan()
-    if params.flips:
-        plan.flip = [bool(f) for f in rng.random(ndim) < 0.5]
-        swap = bool(rng.random() < 0.5)
-        plan.swap = swap and (ndim - 2, ndim - 1) in _isotropic_pairs(shape, vox)
-    if params.rot90:
-        plan.rot90 = [(axes, int(rng.integers(4))) for axes in _isotropic_pairs(shape, vox)]
-    if params.rotate_deg > 0:
-        plan.angle = math.radians(float(rng.uniform(-params.rotate_deg, params.rotate_deg)))
-    if params.scale > 0:
-        plan.zoom = float(rng.uniform(1 - params.scale, 1 + params.scale))
-    if params.contrast > 0:
-        plan.contrast = float(rng.uniform(1 - params.contrast, 1 + params.contrast))
-    if params.gamma > 0:
-        plan.gamma = float(rng.uniform(1 - params.gamma, 1 + params.gamma))
-    if params.blur_sigma > 0:
-        plan.blur = float(rng.uniform(0, params.blur_sigma))
-    return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,96 +90,6 @@ def read_shape(shape, matrix: np.ndarray) -> tuple[int, ...]:
     return tuple(int(2 * math.ceil(r + 1e-6) + 3) for r in reach)
 
 
-def resample(arr: np.ndarray, matrix: np.ndarray, shape, shift, order: int,
-             cval: float) -> np.ndarray:
-    """Resample every channel of ``arr`` (C, *in_shape) onto ``shape``: ``order`` 1 is
-    (bi/tri)linear interpolation, 0 nearest neighbour; positions outside the input read
-    ``cval`` (scipy's ``mode="constant"``).
-
-    Output voxel ``i`` reads input position ``matrix @ (i - centre_out) + centre_in + shift``
-    (``shift``: the output centre minus the input centre, in input voxels). Nearest neighbour
-    copies input values: integer inputs keep their dtype (and exactness); otherwise the output
-    is float32.
-    """
-    centre_out = (np.asarray(shape, dtype=float) - 1) / 2
-    centre_in = (np.asarray(arr.shape[1:], dtype=float) - 1) / 2
-    offset = centre_in + np.asarray(shift, dtype=float) - matrix @ centre_out
-    if _z_separable(matrix):
-        return _resample_separable(arr, matrix, offset, tuple(shape), order, cval)
-    exact = order == 0 and arr.dtype.kind in "uib"
-    out = np.empty((arr.shape[0], *shape), dtype=arr.dtype if exact else np.float32)
-    for c in range(arr.shape[0]):
-        src = arr[c] if exact else arr[c].astype(np.float32, copy=False)
-        ndi.affine_transform(src, matrix, offset=offset, output_shape=tuple(shape),
-                             output=out[c], order=order, mode="constant", cval=cval,
-                             prefilter=False)
-    return out
-
-
-def _z_separable(matrix: np.ndarray) -> bool:
-    """2D, or 3D with z mapped on its own (rotation about z and isotropic zoom are)."""
-    return matrix.shape == (2, 2) or (
-        matrix.shape == (3, 3) and not matrix[0, 1:].any() and not matrix[1:, 0].any())
-
-
-def _resample_separable(arr: np.ndarray, matrix: np.ndarray, offset: np.ndarray, shape,
-                        order: int, cval: float) -> np.ndarray:
-    """:func:`resample` for a z-separable ``matrix``, 3-4x faster than scipy's general affine
-    transform: z is resampled along its own axis, then every plane by one 2D map of input
-    positions, computed once and applied to all planes and channels as flat gathers.
-    Trilinear interpolation is the product of the per-axis linear weights, so this is the
-    same interpolation (up to float32 rounding); nearest neighbour gives identical output."""
-    if matrix.shape == (2, 2):  # a 2D sample: one plane, z the identity
-        vol, mz, oz, pm, po = arr[:, None], 1.0, 0.0, matrix, offset
-        out_shape = (1, *shape)
-    else:
-        vol, mz, oz, pm, po = arr, matrix[0, 0], offset[0], matrix[1:, 1:], offset[1:]
-        out_shape = shape
-    n, (d, h, w), (do, ho, wo) = vol.shape[0], vol.shape[1:], out_shape
-    flat = vol.reshape(n, d, h * w)
-    pz = mz * np.arange(do) + oz
-    ii = np.arange(ho, dtype=float)[:, None]
-    jj = np.arange(wo, dtype=float)[None, :]
-    py = (pm[0, 0] * ii + pm[0, 1] * jj + po[0]).ravel()
-    px = (pm[1, 0] * ii + pm[1, 1] * jj + po[1]).ravel()
-    z_out = (pz < 0) | (pz > d - 1)
-    plane_out = (py < 0) | (py > h - 1) | (px < 0) | (px > w - 1)
-
-    if order == 0:
-        zi = np.clip(np.floor(pz + 0.5), 0, d - 1).astype(np.intp)
-        fi = (np.clip(np.floor(py + 0.5), 0, h - 1).astype(np.intp) * w
-              + np.clip(np.floor(px + 0.5), 0, w - 1).astype(np.intp))
-        out = np.take(flat[:, zi], fi, axis=2)
-        if arr.dtype.kind not in "uib":
-            out = out.astype(np.float32)
-    else:
-        # Linear along z on whole input planes ...
-        z0 = np.clip(np.floor(pz), 0, max(d - 2, 0)).astype(np.intp)
-        wz = np.clip(pz - z0, 0, 1).astype(np.float32)[:, None]
-        planes = flat[:, z0].astype(np.float32)
-        if d > 1:
-            planes *= 1 - wz
-            planes += flat[:, z0 + 1] * wz
-        # ... then bilinear in each plane: four gathers at the corners of each position.
-        y0 = np.clip(np.floor(py), 0, max(h - 2, 0)).astype(np.intp)
-        x0 = np.clip(np.floor(px), 0, max(w - 2, 0)).astype(np.intp)
-        wy = np.clip(py - y0, 0, 1).astype(np.float32)
-        wx = np.clip(px - x0, 0, 1).astype(np.float32)
-        corner = y0 * w + x0
-        dy, dx = (w if h > 1 else 0), (1 if w > 1 else 0)
-        out = np.take(planes, corner, axis=2)
-        out *= (1 - wy) * (1 - wx)
-        for step, weight in ((dx, (1 - wy) * wx), (dy, wy * (1 - wx)), (dy + dx, wy * wx)):
-            part = np.take(planes, corner + step, axis=2)
-            part *= weight
-            out += part
-    if z_out.any():
-        out[:, z_out] = cval
-    if plane_out.any():
-        out[:, :, plane_out] = cval
-    return out.reshape(arr.shape[0], *shape)
-
-
 # ---------------------------------------------------------------------------------------------
 # Rotation and zoom of EM on the device
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +100,7 @@ def _resample_separable(arr: np.ndarray, matrix: np.ndarray, offset: np.ndarray,
 # flips, 90 degree rotations and transposes folded in. Labels are rotated and zoomed in the
 # workers (nearest neighbour, cheap) but not flipped: a 90 degree turn through z makes that
 # copy hop across memory, so they carry ``label_axes`` (:func:`axis_map`) instead.
-# :func:`augment_on_device` finishes both (:func:`apply_geometry`, :func:`apply_axis_map`).
+# :meth:`Augmenter.device` finishes both (:func:`apply_geometry`, :func:`apply_axis_map`).
 
 
 def max_read_shape(shape, vox, params: Augmentation) -> tuple[int, ...]:
@@ -368,11 +228,11 @@ def apply_flips(arr: np.ndarray, plan: Plan) -> np.ndarray:
     return arr  # a strided view: whoever writes it out next makes the one copy
 
 
-# Intensity changes run on the device, on whole batches (:func:`augment_on_device`): on the
+# Intensity changes run on the device, on whole batches (:meth:`Augmenter.device`): on the
 # host they cost as much CPU as reading the sample (blur, noise and gamma of a 128^3 crop take
-# about 100 ms), on a GPU next to nothing. A sample carries what was drawn for it:
-# ``intensity`` = (gamma, contrast, noise_std, blur sigma in voxels along z, y, x; 0 for an
-# axis a 2D sample does not have) and ``noise_seed``.
+# about 100 ms), on a GPU next to nothing. A sample's :class:`DeviceAugmentation` carries what
+# was drawn for it: ``intensity`` = (gamma, contrast, noise_std, blur sigma in voxels along
+# z, y, x; 0 for an axis a 2D sample does not have) and ``noise_seed``.
 BLUR_TRUNCATE = 3.0  # Gaussian kernels reach this many sigmas
 
 
@@ -448,27 +308,205 @@ def apply_intensity(image: torch.Tensor, intensity: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------
-# The device step
+# What a sample ships for the device
 # ---------------------------------------------------------------------------------------------
 
 
-def augment_on_device(batch: Batch) -> Batch:
-    """Make the augmentation the loader workers drew for the device, on a batch already moved
-    there (:meth:`Batch.to`): rotation and zoom of EM (:func:`apply_geometry`) with the
-    matching flips of targets and validity (:func:`apply_axis_map`), then the intensity
-    changes (:func:`apply_intensity`). Returns the finished batch, without the plan; a batch
-    with nothing left to do is returned as it is. On the host either step costs as much CPU
-    as reading the sample, on a GPU next to nothing."""
-    if not batch.augments_on_device:
-        return batch
-    image, target, valid = batch.image, batch.target, batch.valid
-    if batch.geometry is not None:
-        n = batch.geometry.shape[-2]
-        image = apply_geometry(image, batch.geometry, tuple(valid.shape[-n:]))
-        valid = apply_axis_map(valid, batch.label_axes)
-        if target is not None:
-            target = apply_axis_map(target, batch.label_axes)
-    if batch.intensity is not None:
-        image = apply_intensity(image, batch.intensity, batch.noise_seed)
-    return replace(batch, image=image, target=target, valid=valid, geometry=None,
-                   label_axes=None, intensity=None, noise_seed=None)
+@dataclass
+class DeviceAugmentation:
+    """The part of one sample's augmentation left to the device: one unit on
+    :class:`~torchtitan.datasets.batch.Sample` (``augmentation``, shapes below) and, stacked
+    along a new first axis by :meth:`collate`, on the ``Batch``. A field is None when nothing
+    of its kind was drawn; a sample with nothing left to the device carries None instead.
+
+    Its tensors stay on the host when the batch moves to the device: :meth:`apply` reads them
+    there (``.tolist()``, the affine grid built on the CPU), so that reading them costs no
+    device sync.
+    """
+
+    geometry: torch.Tensor | None = None  # (n, n + 1) float32: [A | b], EM resampling map
+    label_axes: torch.Tensor | None = None  # (2, n) int64: [perm, flip] of target and valid
+    intensity: torch.Tensor | None = None  # (6,) float32: gamma, contrast, noise_std, blur zyx
+    noise_seed: torch.Tensor | None = None  # () int64: seed of the additive noise
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, tensors by value (``torch.equal``): a plain bool, as for the
+        sample's other fields (a sample depends on its seed and index alone, tested so)."""
+        if not isinstance(other, DeviceAugmentation):
+            return NotImplemented
+        pairs = [(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)]
+        return all(a is b if a is None or b is None else torch.equal(a, b) for a, b in pairs)
+
+    @staticmethod
+    def collate(items: list[DeviceAugmentation]) -> DeviceAugmentation:
+        """The payloads of a batch's samples, stacked field by field (``default_collate``:
+        inside a loader worker straight into shared memory). Samples of one dataset carry the
+        same fields; a mix is refused."""
+        out = {}
+        for f in fields(DeviceAugmentation):
+            values = [getattr(a, f.name) for a in items]
+            present = {v is not None for v in values}
+            if len(present) > 1:
+                raise ValueError(f"samples disagree on whether they carry augmentation.{f.name}")
+            if present == {True}:
+                out[f.name] = default_collate(values)
+        return DeviceAugmentation(**out)
+
+    def pin_memory(self) -> DeviceAugmentation:
+        """Pinned like the rest of the batch (the DataLoader's pinning thread calls
+        ``Batch.pin_memory``, which calls this)."""
+        return replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def apply(self, image: torch.Tensor, target: torch.Tensor | None,
+              valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """This (batched) payload made on a batch already on the device: rotation and zoom of
+        EM (:func:`apply_geometry`, from the buffer ``image`` to the shape of ``valid``) with
+        the matching flips of ``target`` and ``valid`` (:func:`apply_axis_map`), then the
+        intensity changes (:func:`apply_intensity`)."""
+        if self.geometry is not None:
+            n = self.geometry.shape[-2]
+            image = apply_geometry(image, self.geometry, tuple(valid.shape[-n:]))
+            valid = apply_axis_map(valid, self.label_axes)
+            if target is not None:
+                target = apply_axis_map(target, self.label_axes)
+        if self.intensity is not None:
+            image = apply_intensity(image, self.intensity, self.noise_seed)
+        return image, target, valid
+
+
+# ---------------------------------------------------------------------------------------------
+# The augmenter
+# ---------------------------------------------------------------------------------------------
+
+
+class Augmenter:
+    """A dataset's augmentation, made from the config's ``[augmentation]`` section: the one
+    place that knows which augmentations exist and where each is made.
+
+    In a loader worker it draws a sample's plan (:meth:`draw`), says which box to read for it
+    (:meth:`box_to_read`), applies the host part to the box read (:meth:`host`) and packs
+    what is left to the device (:meth:`payload`, a :class:`DeviceAugmentation`); on the
+    device :meth:`device` makes that part on a whole batch.
+
+    ``augment=False`` (validation streams) applies nothing. ``frames``: the (shape, voxel
+    size) of every frame a sample can have, in its own axes; with rotation and zoom made on
+    the device they fix the one shape of the buffer EM boxes ship in (``buffer_shape``), so
+    that samples batch.
+    """
+
+    def __init__(self, params: Augmentation | None = None, augment: bool = True, frames=()):
+        if not augment:
+            params = Augmentation(flips=False)
+        self.params = params if params is not None else Augmentation()
+        p = self.params
+        # Rotation or zoom: the sample is resampled from a larger box.
+        self.resamples = p.rotate_deg > 0 or p.scale > 0
+        where = p.resample_on
+        if where == "auto":  # the device when there is a GPU (see resample_on's help)
+            where = "device" if torch.cuda.is_available() else "workers"
+        self.resamples_on_device = self.resamples and where == "device"
+        self.resamples_on_host = self.resamples and not self.resamples_on_device
+        self.changes_intensity = p.contrast > 0 or p.gamma > 0 or p.noise_std > 0 \
+            or p.blur_sigma > 0
+        self.buffer_shape: tuple[int, ...] | None = None
+        if self.resamples_on_device and frames:
+            shapes = [max_read_shape(shape, vox, p) for shape, vox in frames]
+            self.buffer_shape = tuple(int(m) for m in np.max(shapes, axis=0))
+
+    def draw(self, rng: np.random.Generator, shape, vox) -> Plan:
+        """Draw one sample's plan (frame ``shape``, voxel size ``vox``). Flips come first and
+        draw exactly what the earlier flips-only pipeline drew, so default settings reproduce
+        its samples; the intensity changes' noise seed is drawn later, by :meth:`payload`."""
+        params, ndim = self.params, len(shape)
+        plan = Plan()
+        if params.flips:
+            plan.flip = [bool(f) for f in rng.random(ndim) < 0.5]
+            swap = bool(rng.random() < 0.5)
+            plan.swap = swap and (ndim - 2, ndim - 1) in _isotropic_pairs(shape, vox)
+        if params.rot90:
+            plan.rot90 = [(axes, int(rng.integers(4))) for axes in _isotropic_pairs(shape, vox)]
+        if params.rotate_deg > 0:
+            plan.angle = math.radians(float(rng.uniform(-params.rotate_deg, params.rotate_deg)))
+        if params.scale > 0:
+            plan.zoom = float(rng.uniform(1 - params.scale, 1 + params.scale))
+        if params.contrast > 0:
+            plan.contrast = float(rng.uniform(1 - params.contrast, 1 + params.contrast))
+        if params.gamma > 0:
+            plan.gamma = float(rng.uniform(1 - params.gamma, 1 + params.gamma))
+        if params.blur_sigma > 0:
+            plan.blur = float(rng.uniform(0, params.blur_sigma))
+        return plan
+
+    def _matrix(self, plan: Plan, vox) -> np.ndarray:
+        matrix = resample_matrix(plan, vox)
+        return np.eye(len(vox)) if matrix is None else matrix  # a draw of no rotation, no zoom
+
+    def box_to_read(self, plan: Plan, shape, vox) -> tuple[int, ...] | None:
+        """The frame shape of the box to read around a sample of ``shape`` for ``plan``
+        (:func:`read_shape`), or None when the sample's own box is read (no resampling)."""
+        return read_shape(shape, self._matrix(plan, vox)) if self.resamples else None
+
+    def host(self, plan: Plan, box, shape, vox, shift=None, fills: dict | None = None):
+        """``plan``'s host part applied to ``box``, a ``samples.SampleArrays`` in the sample's
+        frame: the sample's own box (C, *shape), or the box of :meth:`box_to_read`, whose
+        centre lies ``shift`` voxels from the sample's.
+
+        Flips, 90 degree turns and transposes are strided views (whoever writes the arrays out
+        next makes the one copy). With rotation or zoom every array but ``image`` is resampled
+        by nearest neighbour (outside the box, made large enough to have no outside, label
+        values would read ``fills[group]``, the rest 0) and ``image`` linearly; or, with
+        resampling on the device, ``image`` is left as the box in a buffer of
+        ``buffer_shape``, the rest unflipped, and the box's ``augmentation`` says how to
+        finish both (float64 here, so that the host can measure with the exact map).
+        """
+        if not self.resamples:
+            return box.map(lambda a: apply_flips(a, plan))
+        fills = fills or {}
+        matrix = self._matrix(plan, vox)
+
+        def nearest(a: np.ndarray, fill: float) -> np.ndarray:
+            return resample(a, matrix, shape, shift, order=0, cval=fill)
+
+        moved = replace(box, valid=None if box.valid is None else nearest(box.valid, 0),
+                        target=None if box.target is None else nearest(box.target, 0),
+                        labels={g: nearest(a, fills.get(g, 0)) for g, a in box.labels.items()})
+        if self.resamples_on_host:
+            moved.image = resample(box.image, matrix, shape, shift, order=1, cval=-1.0)
+            return moved.map(lambda a: apply_flips(a, plan))
+        image = box.image
+        moved.image = np.zeros((image.shape[0], *self.buffer_shape), dtype=image.dtype)
+        moved.image[(slice(None), *(slice(0, n) for n in image.shape[1:]))] = image
+        # The labels' flips, 90 degree turns and transposes are left to the device as well:
+        # here a turn through z makes the copy of every label array hop across memory.
+        geometry = device_geometry(matrix, plan, shape, image.shape[1:], shift)
+        moved.augmentation = DeviceAugmentation(
+            geometry=torch.from_numpy(geometry), label_axes=torch.from_numpy(axis_map(plan, shape)))
+        return moved
+
+    def payload(self, plan: Plan, vox, rng: np.random.Generator,
+                left: DeviceAugmentation | None = None) -> DeviceAugmentation | None:
+        """What a finished sample ships for the device: ``left`` (what :meth:`host` left
+        there; its map as float32, the precision the device reads) and the intensity changes,
+        whose noise seed is drawn here from ``rng``. None when nothing is left to do."""
+        out = DeviceAugmentation() if left is None else replace(left)
+        if out.geometry is not None:
+            out.geometry = out.geometry.to(torch.float32)
+        if self.changes_intensity:
+            out.intensity, out.noise_seed = intensity_params(plan, self.params, vox, rng)
+        return None if out.is_empty() else out
+
+    @staticmethod
+    def device(batch):
+        """Make what the loader workers left to the device (``batch.augmentation``) on a
+        ``Batch`` already moved there (``Batch.to``): on the host either part costs as much
+        CPU as reading the sample, on a GPU next to nothing. Returns the finished batch,
+        without the payload; a batch with nothing left to do is returned as it is. The
+        payload carries all it needs, so callers need no augmenter: ``Augmenter.device(b)``."""
+        if batch.augmentation is None:
+            return batch
+        image, target, valid = batch.augmentation.apply(batch.image, batch.target, batch.valid)
+        return replace(batch, image=image, target=target, valid=valid, augmentation=None)

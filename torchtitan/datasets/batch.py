@@ -8,13 +8,12 @@ volume).
 
 What the loader workers ship: raw uint8 EM where it lies on the training grid (a quarter of
 the bytes; :meth:`Batch.to` normalises it on the device), uint8 masks, and the part of the
-augmentation drawn for the device (:func:`torchtitan.datasets.augment.augment_on_device`
-makes it): ``geometry`` and ``label_axes`` when EM is rotated or zoomed on the device (then
-``image`` is the box read around the sample, in a buffer of one shape per run),
-``intensity`` and ``noise_seed`` with intensity augmentation. A batch is made model inputs in
-two steps::
+augmentation left to the device as one ``augmentation`` payload
+(:class:`~torchtitan.datasets.augment.DeviceAugmentation`; when it rotates or zooms EM,
+``image`` is the box read around the sample, in a buffer of one shape per run). A batch is
+made model inputs in two steps::
 
-    batch = augment_on_device(batch.to(device))
+    batch = Augmenter.device(batch.to(device))
 """
 
 from __future__ import annotations
@@ -26,27 +25,20 @@ import torch
 from torch.utils.data import default_collate
 
 from torchtitan.choices import EM_SCALE
-
-# Fields that travel to the device; the rest (bookkeeping and the augmentation plan, read with
-# .tolist() there) stay on the host, so that reading them costs no device sync.
-DEVICE_FIELDS = ("image", "target", "valid", "noise")
+from torchtitan.datasets.augment import DeviceAugmentation
 
 
 @dataclass
 class Sample:
     """One training sample, drawn from ``sample_rng(seed, index)`` alone."""
 
-    image: torch.Tensor  # (C, *spatial) float32, or raw uint8 EM; a larger buffer with geometry
+    image: torch.Tensor  # (C, *spatial) float32 or raw uint8 EM; a larger buffer to resample
     valid: torch.Tensor  # (K, *spatial) uint8 / float32: where the loss counts
     target: torch.Tensor | None = None  # (K, *spatial) segmentation targets
     index: int = -1  # the global sample index (set by the dataset's __getitem__)
     resampled: int = 0  # replacements drawn after read errors
     noise: torch.Tensor | None = None  # (num_patches,) MAE masking noise
-    # The augmentation left to the device (see augment.py):
-    geometry: torch.Tensor | None = None  # (n, n + 1) float32: [A | b], EM resampling map
-    label_axes: torch.Tensor | None = None  # (2, n) int64: [perm, flip] of target and valid
-    intensity: torch.Tensor | None = None  # (7,) float32: gamma, contrast, noise_std, blur zyx
-    noise_seed: torch.Tensor | None = None  # () int64: seed of the additive noise
+    augmentation: DeviceAugmentation | None = None  # what is left to the device (augment.py)
 
 
 @dataclass
@@ -59,10 +51,7 @@ class Batch:
     resampled: torch.Tensor  # (B,) int64
     target: torch.Tensor | None = None  # (B, K, *spatial)
     noise: torch.Tensor | None = None  # (B, num_patches)
-    geometry: torch.Tensor | None = None  # (B, n, n + 1)
-    label_axes: torch.Tensor | None = None  # (B, 2, n)
-    intensity: torch.Tensor | None = None  # (B, 7)
-    noise_seed: torch.Tensor | None = None  # (B,)
+    augmentation: DeviceAugmentation | None = None  # its fields (B, ...)
 
     def __len__(self) -> int:
         return int(self.image.shape[0])
@@ -73,29 +62,26 @@ class Batch:
 
     def pin_memory(self) -> "Batch":
         """Called by the DataLoader's pinning thread (``pin_memory=True``): PyTorch pins
-        tensors, mappings and sequences itself, other objects through this method."""
-        return self._map(torch.Tensor.pin_memory, [f.name for f in fields(self)])
+        tensors, mappings and sequences itself, other objects through this method (the
+        ``augmentation`` payload through its own)."""
+        return self._map(lambda value: value.pin_memory(), [f.name for f in fields(self)])
 
     def to(self, device) -> "Batch":
         """The batch on ``device`` as model inputs: raw uint8 EM normalised there exactly as
         ``samples.normalize_em`` does on the host, uint8 / bool masks made float32. The
-        augmentation plan and bookkeeping stay on the host (see :data:`DEVICE_FIELDS`)."""
+        bookkeeping and the ``augmentation`` payload stay on the host: the device step reads
+        them there, so that reading them costs no device sync."""
 
         def move(value: torch.Tensor) -> torch.Tensor:
             value = value.to(device, non_blocking=True)
             return value.float() if value.dtype in (torch.uint8, torch.bool) else value
 
-        out = self._map(move, DEVICE_FIELDS[1:])
+        out = self._map(move, ("target", "valid", "noise"))
         image = self.image.to(device, non_blocking=True)
         if image.dtype == torch.uint8:
             image = image.float().div_(EM_SCALE).sub_(1.0)
         out.image = image
         return out
-
-    @property
-    def augments_on_device(self) -> bool:
-        """Whether part of the augmentation is still to be made (``augment_on_device``)."""
-        return self.geometry is not None or self.intensity is not None
 
 
 def collate(samples: list[Sample]) -> Batch:
@@ -110,7 +96,10 @@ def collate(samples: list[Sample]) -> Batch:
             if any(v is not None for v in values):
                 raise ValueError(f"samples disagree on whether they carry {f.name!r}")
             continue
-        out[f.name] = default_collate(values)  # ints become an int64 tensor (B,)
+        if f.name == "augmentation":  # one payload, stacked field by field
+            out[f.name] = DeviceAugmentation.collate(values)
+        else:
+            out[f.name] = default_collate(values)  # ints become an int64 tensor (B,)
     return Batch(**out)
 
 

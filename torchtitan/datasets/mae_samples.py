@@ -62,9 +62,8 @@ class MAESamples(SampleDataset):
 
     Item ``g``, a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop), ``valid``
     (1, *crop) (0 where the crop leaves the volume: padding, excluded from the loss),
-    ``index``, ``resampled``, with intensity
-    augmentation ``intensity`` and ``noise_seed``, with rotation or zoom on the device
-    ``geometry`` and ``label_axes`` (see :class:`SegmentationSamples`), and with
+    ``index``, ``resampled``, with intensity augmentation or rotation and zoom on the device
+    ``augmentation`` (see :class:`SegmentationSamples`), and with
     ``num_patches`` > 0 the MAE masking ``noise`` (num_patches,), drawn from the sample's own
     generator. With ``foreground_threshold`` > 0 the place is redrawn (from the same generator,
     up to FOREGROUND_DRAWS times, keeping the best) until that fraction of the EM is non-zero.
@@ -141,12 +140,12 @@ class MAESamples(SampleDataset):
         """Foreground fraction of a drawn sample's EM (nearest neighbour when the EM is still
         to be resampled on the device)."""
         image = box.image
-        if box.geometry is None:
+        if not box.in_buffer:
             return foreground_fraction(image)
         out_shape = box.valid.shape[1:]
         raw = image if image.dtype == np.uint8 else np.rint((image + 1) * EM_SCALE)
-        return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8), box.geometry,
-                                                   out_shape)))
+        return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8),
+                                                   box.augmentation.geometry.numpy(), out_shape)))
 
     def _draw(self, rng: np.random.Generator) -> Sample:
         drawn = best_draw(lambda: self._draw_once(rng), lambda d: self._foreground(d[0]),

@@ -13,14 +13,15 @@ One sample is made in four steps:
    then a box around one of that class's foreground voxels (from a small per-crop index).
    With ``min_label_fraction`` < 1 the box may leave the label crop as long as that fraction
    of it stays inside (EM context is real; labels outside the crop are invalid).
-2. *Augmentation plan* (``augment.py``), drawn next.
+2. *Augmentation plan*, drawn next by the dataset's ``augment.Augmenter``.
 3. *Read*: EM and the stored label values of the box, or of a larger box around it when the
-   plan rotates or zooms, which is then resampled onto the sample grid.
-4. Flips, 90 degree rotations, transposes; then targets and validity (``targets.py``) from
-   the moved label values. Intensity changes (EM only) are drawn here and made on the device
-   by ``augment.augment_on_device``; so are, with ``augmentation.resample_on`` "device", the
-   interpolation of rotated and zoomed EM and the flips of the labels (the sample carries
-   ``geometry`` and ``label_axes`` for that, see ``augment.py``).
+   plan rotates or zooms (the augmenter says which), which is then resampled onto the sample
+   grid.
+4. The augmenter's host part (flips, 90 degree rotations, transposes, resampling); then
+   targets and validity (``targets.py``) from the moved label values. What is left to the
+   device travels as the sample's one ``augmentation`` payload: the intensity changes (EM
+   only, their noise seed drawn last) and, with ``augmentation.resample_on`` "device", the
+   interpolation of rotated and zoomed EM and the flips of the labels.
 
 MAE samples (``mae_samples.py``) are made the same way, without labels.
 
@@ -45,21 +46,7 @@ from torch.utils.data import Dataset
 
 from torchtitan.choices import EM_SCALE, PLANES
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets.augment import (
-    apply_flips,
-    axis_map,
-    changes_intensity,
-    device_geometry,
-    draw_plan,
-    intensity_params,
-    max_read_shape,
-    read_shape,
-    resample,
-    resample_matrix,
-    resamples,
-    resamples_on_device,
-    training_augmentation,
-)
+from torchtitan.datasets.augment import Augmenter, DeviceAugmentation
 from torchtitan.datasets.batch import Sample
 from torchtitan.datasets.cellmap import (
     ChunkReadError,
@@ -169,22 +156,26 @@ class SampleArrays:
     by nearest neighbour: ``valid`` (MAE: 1 inside the EM volume) and, for segmentation, the
     stored label values of each label group in ``labels`` (by group name; turned into
     ``target`` and ``valid`` once moved, see :meth:`CropReader.compose`). With EM left to
-    the device, ``geometry`` and ``label_axes`` say how to finish it (see ``augment.py``).
+    the device to resample, ``augmentation`` says how to finish it (see ``augment.py``).
     """
 
     image: np.ndarray
     valid: np.ndarray | None = None
     target: np.ndarray | None = None
     labels: dict[str, np.ndarray] = field(default_factory=dict)
-    geometry: np.ndarray | None = None
-    label_axes: np.ndarray | None = None
+    augmentation: DeviceAugmentation | None = None
 
     def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> "SampleArrays":
         """``fn`` applied to every array (EM, masks, label values)."""
         return SampleArrays(fn(self.image), None if self.valid is None else fn(self.valid),
                             None if self.target is None else fn(self.target),
-                            {g: fn(a) for g, a in self.labels.items()}, self.geometry,
-                            self.label_axes)
+                            {g: fn(a) for g, a in self.labels.items()}, self.augmentation)
+
+    @property
+    def in_buffer(self) -> bool:
+        """Whether ``image`` is still the box read around the sample, for the device to
+        resample (the other arrays are on the sample's grid)."""
+        return self.augmentation is not None and self.augmentation.geometry is not None
 
 
 def em_level(source: EMSource, voxel_size) -> ScaleLevel:
@@ -236,7 +227,7 @@ class CropReader:
         (spatial ``shape``)."""
         raw = {g: a[0] for g, a in box.labels.items()}
         target, valid = compose_targets(crop, self.classes, raw, shape)
-        return SampleArrays(box.image, valid, target, {}, box.geometry, box.label_axes)
+        return SampleArrays(box.image, valid, target, {}, box.augmentation)
 
 
 class SampleDataset(Dataset):
@@ -253,31 +244,21 @@ class SampleDataset(Dataset):
         self.shape = grid_shape(crop_size)
         self.seed = seed
         self.augment = augment
-        self.aug = training_augmentation(augmentation, augment)
         if planes not in PLANES:
             raise DatasetError(f"data.planes must be 'z' or 'zyx', got {planes!r}")
         self.planes = planes
         self.max_resample = int(max_resample)
         self.em_uint8 = False  # set by subclasses once their EM sources are known
-        # Rotation or zoom: EM interpolated on the device (see _geometry) or here.
-        self.device_geometry = resamples_on_device(self.aug)
-        self.host_geometry = resamples(self.aug) and not self.device_geometry
-        self.image_buffer_shape: tuple[int, ...] | None = None
-        if self.device_geometry:
-            normals = (0, 1, 2) if self.ndim == 2 and planes == "zyx" else (0,)
-            shapes = []
-            for normal in normals:
-                keep = list(self._frame(normal))
-                box = self._box(normal)
-                shapes.append(max_read_shape([box[a] for a in keep], self.voxel_size[keep],
-                                             self.aug))
-            self.image_buffer_shape = tuple(int(m) for m in np.max(shapes, axis=0))
+        normals = (0, 1, 2) if self.ndim == 2 and planes == "zyx" else (0,)
+        frames = [(tuple(self._box(n)[a] for a in self._frame(n)),
+                   self.voxel_size[list(self._frame(n))]) for n in normals]
+        self.augmenter = Augmenter(augmentation, augment, frames)
 
     def _ships_raw_em(self, sources: list[EMSource]) -> bool:
         """Whether samples can carry EM as raw uint8 (normalised on the device): every EM level
         read lies on the training grid, and no rotation or zoom interpolates it here (on the
         device, like the intensity changes, they come after normalisation)."""
-        if self.host_geometry:
+        if self.augmenter.resamples_on_host:
             return False
         if any(s.em_range is not None for s in sources):
             return False  # non-uint8 EM keeps its precision: mapped and normalised here
@@ -314,74 +295,45 @@ class SampleDataset(Dataset):
     def _geometry(self, rng: np.random.Generator, level: ScaleLevel, origin, normal: int,
                   reader: Callable[[np.ndarray, tuple], SampleArrays],
                   fills: dict[str, float] | None = None):
-        """Draw the augmentation plan and read the box at ``origin`` with it applied.
+        """Draw the augmentation plan and read the box at ``origin`` with its host part
+        applied (:meth:`augment.Augmenter.host`: the box in the sample's frame (C, *crop_size),
+        possibly as strided views; with EM left to the device to resample, the box read
+        around the sample in a buffer, see :attr:`SampleArrays.in_buffer`).
 
-        ``reader(origin, shape)`` returns a :class:`SampleArrays` of 3D arrays (C, D, H, W). Returns
-        the box in the sample's frame (C, *crop_size), possibly as strided views (flips and
-        transposes are not copied), the plan and the frame's voxel size.
-
-        With rotation or zoom on, a larger box is read around the sample. Every array but
-        ``image`` is resampled here by nearest neighbour (positions outside the read box, which
-        is made large enough to have none, would read ``fills[group]`` for label values, else
-        0). ``image`` is interpolated linearly here too, or, with ``device_geometry``, left as
-        the read box in a buffer of ``image_buffer_shape``, with ``geometry`` for
-        :func:`augment.apply_geometry` to interpolate it on the device; the other arrays are
-        then returned unflipped, with ``label_axes`` for :func:`augment.apply_axis_map`.
+        ``reader(origin, shape)`` returns a :class:`SampleArrays` of 3D arrays (C, D, H, W);
+        ``fills``: what each label group reads outside the box. Returns the box, the plan and
+        the frame's voxel size. With rotation or zoom on, the augmenter asks for a larger box
+        around the sample; its origin is snapped to the EM level's grid here, and the rest of
+        the centre's offset handed on as ``shift``.
         """
-        fills = fills or {}
         box = self._box(normal)
         keep = list(self._frame(normal))
         vox = self.voxel_size[keep]
         out_shape = tuple(box[a] for a in keep)
-        plan = draw_plan(rng, self.aug, out_shape, vox)
-        matrix = resample_matrix(plan, vox)
+        plan = self.augmenter.draw(rng, out_shape, vox)
+        read_shape = self.augmenter.box_to_read(plan, out_shape, vox)
 
         def to_frame(arr: np.ndarray) -> np.ndarray:
             return np.take(arr, 0, axis=1 + normal) if self.ndim == 2 else arr
 
-        if not resamples(self.aug):
-            return reader(origin, box).map(lambda a: apply_flips(to_frame(a), plan)), plan, vox
-        if matrix is None:  # a draw of exactly no rotation and no zoom
-            matrix = np.eye(len(keep))
+        if read_shape is None:  # the sample's own box
+            read = reader(origin, box).map(to_frame)
+            return self.augmenter.host(plan, read, out_shape, vox), plan, vox
         big = np.asarray(box)
-        big[keep] = read_shape(out_shape, matrix)
+        big[keep] = read_shape
         centre = np.asarray(origin, float) + np.asarray(box) * self.voxel_size / 2
         read_origin = grid_origin_snapped(level, self.voxel_size,
                                           centre - big * self.voxel_size / 2)
         shift = (centre - (read_origin + big * self.voxel_size / 2)) / self.voxel_size
         read = reader(read_origin, tuple(int(b) for b in big)).map(to_frame)
-        image = read.image
-
-        def nearest(a: np.ndarray, fill: float) -> np.ndarray:
-            return resample(a, matrix, out_shape, shift[keep], order=0, cval=fill)
-
-        # Every other array by nearest neighbour, here.
-        moved = SampleArrays(image, None if read.valid is None else nearest(read.valid, 0),
-                             None if read.target is None else nearest(read.target, 0),
-                             {g: nearest(a, fills.get(g, 0)) for g, a in read.labels.items()})
-        if self.host_geometry:
-            moved.image = resample(image, matrix, out_shape, shift[keep], order=1, cval=-1.0)
-            return moved.map(lambda a: apply_flips(a, plan)), plan, vox
-        # On the device (augment.apply_geometry), from a buffer of one shape for every sample
-        # of the run.
-        buffer = np.zeros((image.shape[0], *self.image_buffer_shape), dtype=image.dtype)
-        buffer[(slice(None), *(slice(0, n) for n in image.shape[1:]))] = image
-        moved.image = buffer
-        # The labels' flips, 90 degree turns and transposes are left to the device as well:
-        # here a turn through z makes the copy of every label array hop across memory.
-        moved.geometry = device_geometry(matrix, plan, out_shape, image.shape[1:], shift[keep])
-        moved.label_axes = axis_map(plan, out_shape)
-        return moved, plan, vox
+        return self.augmenter.host(plan, read, out_shape, vox, shift[keep], fills), plan, vox
 
     def _finish(self, box: SampleArrays, plan, vox, rng) -> Sample:
-        """The sample of a finished box; draws the intensity changes (made on the device by
-        ``augment.augment_on_device``)."""
-        sample = Sample(image=_tensor(box.image), valid=_tensor(box.valid),
-                        target=_tensor(box.target), geometry=_tensor(box.geometry),
-                        label_axes=_tensor(box.label_axes))
-        if changes_intensity(self.aug):
-            sample.intensity, sample.noise_seed = intensity_params(plan, self.aug, vox, rng)
-        return sample
+        """The sample of a finished box, with what is left to the device
+        (:meth:`augment.Augmenter.payload`, which draws the intensity noise seed last)."""
+        return Sample(image=_tensor(box.image), valid=_tensor(box.valid),
+                      target=_tensor(box.target),
+                      augmentation=self.augmenter.payload(plan, vox, rng, box.augmentation))
 
     # -- items ------------------------------------------------------------------------------------
 
@@ -412,12 +364,11 @@ class SegmentationSamples(SampleDataset):
     Item ``g`` is a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop)
     (float32, or raw uint8 when ``em_uint8``), ``target`` and ``valid`` (K, *crop) uint8,
     ``index`` (the global sample index) and ``resampled`` (replacements after read errors);
-    with intensity augmentation also ``intensity`` and ``noise_seed`` (what was drawn for
-    it). With rotation or zoom made on the device (``device_geometry``), ``image`` is the box
-    read around the sample, in a buffer (1, *image_buffer_shape), ``target`` and ``valid``
-    are not yet flipped, and ``geometry`` and ``label_axes`` say how to finish both.
-    ``Batch.to`` makes a batch float32 model inputs and ``augment.augment_on_device`` makes
-    what was left to the device.
+    with intensity augmentation or rotation and zoom made on the device also
+    ``augmentation``, what is left to the device. In the latter case ``image`` is the box
+    read around the sample, in a buffer (1, *augmenter.buffer_shape), and ``target`` and
+    ``valid`` are not yet flipped. ``Batch.to`` makes a batch float32 model inputs and
+    ``augment.Augmenter.device`` makes what was left to the device.
     """
 
     def __init__(
@@ -541,7 +492,7 @@ class SegmentationSamples(SampleDataset):
             rng, level, origin, normal,
             lambda o, s: self.reader.read_stored(crop, groups, o, s, self.em_uint8), fills)
         # An image still to be resampled on the device comes in a larger buffer.
-        shape = self.crop_size if box.geometry is not None else box.image.shape[1:]
+        shape = self.crop_size if box.in_buffer else box.image.shape[1:]
         return self._finish(self.reader.compose(crop, box, shape), plan, vox, rng)
 
 

@@ -29,21 +29,13 @@ from torch.utils.data import Dataset
 
 from torchtitan.config.manager import Augmentation
 from torchtitan.datasets import slices_original
-from torchtitan.datasets.augment import (
-    apply_flips,
-    changes_intensity,
-    draw_plan,
-    intensity_params,
-    read_shape,
-    resample,
-    resample_matrix,
-    training_augmentation,
-)
+from torchtitan.datasets.augment import Augmenter, apply_flips, read_shape, resample_matrix
 from torchtitan.datasets.batch import Sample
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.datasets.loader import split_crops
 from torchtitan.datasets.mae_samples import best_draw, foreground_fraction
+from torchtitan.datasets.resampling import resample
 from torchtitan.datasets.samples import SampleArrays, normalize_em, sample_rng
 from torchtitan.datasets.slice_index import (
     OURS,
@@ -111,16 +103,14 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
-def _sample(arrays: dict[str, np.ndarray], index: int, aug: Augmentation, plan, vox,
+def _sample(arrays: dict[str, np.ndarray], index: int, augmenter: Augmenter, plan, vox,
             rng: np.random.Generator) -> Sample:
     """The :class:`Sample` of a cut window (float32 arrays); with intensity augmentation also
-    what was drawn for it (made on the device by ``augment.augment_on_device``)."""
+    what was drawn for it (made on the device by ``augment.Augmenter.device``)."""
     target = arrays.get("target")
-    sample = Sample(image=_tensor(arrays["image"]), valid=_tensor(arrays["valid"]),
-                    target=None if target is None else _tensor(target), index=int(index))
-    if changes_intensity(aug):
-        sample.intensity, sample.noise_seed = intensity_params(plan, aug, vox, rng)
-    return sample
+    return Sample(image=_tensor(arrays["image"]), valid=_tensor(arrays["valid"]),
+                  target=None if target is None else _tensor(target), index=int(index),
+                  augmentation=augmenter.payload(plan, vox, rng))
 
 
 class SliceReader:
@@ -201,7 +191,9 @@ class SliceSamples(Dataset):
         self.classes = list(classes)
         self.crop_size = tuple(int(c) for c in crop_size)
         self.seed = seed
-        self.aug = training_augmentation(augmentation, augment)
+        # Rotation and zoom are always resampled here (_cut): only the intensity changes are
+        # left to the device.
+        self.augmenter = Augmenter(augmentation, augment)
         self.train_rows = index.rows(crops, axes)
         if len(self.train_rows) == 0:
             raise DatasetError(
@@ -226,9 +218,9 @@ class SliceSamples(Dataset):
         arrays = {k: v[0] for k, v in self.reader.arrays([row]).items()}  # (C, h, w)
         start = _place(rng, arrays["image"].shape[-2:], self.crop_size)
         vox = self._plane_voxel_size(row)
-        plan = draw_plan(rng, self.aug, self.crop_size, vox)
+        plan = self.augmenter.draw(rng, self.crop_size, vox)
         arrays = _cut(arrays, start, self.crop_size, plan, vox, self.FILLS)
-        return _sample(arrays, index, self.aug, plan, vox, rng)
+        return _sample(arrays, index, self.augmenter, plan, vox, rng)
 
 
 class SliceMAESamples(Dataset):
@@ -255,7 +247,7 @@ class SliceMAESamples(Dataset):
         self.crop_size = tuple(int(c) for c in crop_size)
         self.voxel_size = np.asarray(voxel_size, dtype=float)
         self.seed = seed
-        self.aug = training_augmentation(augmentation, augment)
+        self.augmenter = Augmenter(augmentation, augment)  # resampling here too, as above
         self.num_patches = num_patches
         self.foreground_threshold = float(foreground_threshold)
 
@@ -271,7 +263,7 @@ class SliceMAESamples(Dataset):
         image = normalize_em(gray_image(self.images[row]["image"])[None])
         start = _place(rng, image.shape[-2:], self.crop_size)
         vox = self._plane_voxel_size(row)
-        plan = draw_plan(rng, self.aug, self.crop_size, vox)
+        plan = self.augmenter.draw(rng, self.crop_size, vox)
         arrays = {"image": image, "valid": np.ones_like(image)}
         return _cut(arrays, start, self.crop_size, plan, vox, self.FILLS), plan, vox
 
@@ -280,7 +272,7 @@ class SliceMAESamples(Dataset):
         arrays, plan, vox = best_draw(lambda: self._draw_once(rng),
                                       lambda d: foreground_fraction(d[0]["image"]),
                                       self.foreground_threshold)
-        sample = _sample(arrays, index, self.aug, plan, vox, rng)
+        sample = _sample(arrays, index, self.augmenter, plan, vox, rng)
         if self.num_patches:
             sample.noise = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
         return sample

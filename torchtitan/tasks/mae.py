@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.context_parallel import mae_problems
-from torchtitan.datasets.augment import augment_on_device
+from torchtitan.datasets.augment import Augmenter
 from torchtitan.errors import ConfigError
 from torchtitan.datasets.batch import Batch, collate
 from torchtitan.datasets.volume_source import VolumeSource, build_source
@@ -142,7 +142,7 @@ class MAETask(TaskBase):
         shown: tuple[list, list, list] = ([], [], [])
         for i in range(0, len(indices), bs):
             batch = collate([data[j] for j in indices[i:i + bs]]).to(ctx.device)
-            batch = augment_on_device(batch)  # nothing to do without augmentation
+            batch = Augmenter.device(batch)  # nothing to do without augmentation
             pred, mask, terms = self._forward(model, batch)
             terms = (*terms, *self._baseline_terms(batch, mask))
             total += torch.stack([t.detach().double().cpu() for t in terms])
