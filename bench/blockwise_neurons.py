@@ -30,7 +30,7 @@ import zarr
 
 from torchtitan.postprocess.blockwise import postprocess_region
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets.id_labels import boundary_mask
+from torchtitan.data.imports.id_labels import boundary_mask
 from torchtitan.scoring.neuron_metrics import neuron_scores
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 

@@ -27,10 +27,10 @@ alternating their order over --repeats and reporting the median:
            EM and of every class, in a pool of --workers processes that only read (nothing
            is converted, augmented or sent back). Origins are drawn like the training
            sampler draws them: a crop uniformly, then a voxel-aligned origin uniformly inside it.
-  raw[chunks]  the same reads through torchtitan.datasets.zarr_chunks, the chunk reader
+  raw[chunks]  the same reads through torchtitan.data.io.zarr_chunks, the chunk reader
            ours uses instead of zarr-python (it decodes the chunk files with the same
            numcodecs codecs); ours / raw[chunks] is what everything but reading costs.
-  raw[ts]  the same reads through TensorStore (torchtitan.datasets.stores.TensorStoreArray,
+  raw[ts]  the same reads through TensorStore (torchtitan.data.io.stores.TensorStoreArray,
            what the loader uses for remote, sharded and N5 arrays), from the local files,
            with its chunk cache off (--ts-cache-mb, default 0: a real dataset is far larger
            than any cache, so samples seldom share chunks; the store here would fit).
@@ -219,14 +219,14 @@ def augment_summary(cfg, samples=None) -> str:
 
 def build_ours(cfg):
     """The training samples, exactly as the segmentation task makes them."""
-    from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
+    from torchtitan.data.sampling.loader import build_segmentation_samples, load_segmentation_data
 
     sources, train, _ = load_segmentation_data(cfg)
     return build_segmentation_samples(cfg, sources, train)
 
 
 def our_loader(cfg, samples, start_step: int = 0):
-    from torchtitan.datasets.loader import build_loader
+    from torchtitan.data.sampling.loader import build_loader
 
     return build_loader(samples, cfg.training.batch_size, dp_rank=0, dp_degree=1,
                         start_step=start_step, num_workers=cfg.data.num_workers)
@@ -278,12 +278,12 @@ def _array(path: str, kind: str = "zarr"):
     arr = _ARRAYS.get((path, kind))
     if arr is None:
         if kind == "chunks":
-            from torchtitan.datasets.zarr_chunks import open_fast
+            from torchtitan.data.io.zarr_chunks import open_fast
 
             arr = open_fast(path)
             assert arr is not None, f"{path}: not readable by zarr_chunks"
         elif kind in ("ts", "ts-http"):
-            from torchtitan.datasets import stores
+            from torchtitan.data.io import stores
 
             where = path
             if kind == "ts-http":
@@ -551,8 +551,8 @@ def device_seconds(samples, indices) -> float:
     CPU-only run; a GPU does it in next to no time."""
     import torch
 
-    from torchtitan.datasets.augment import Augmenter
-    from torchtitan.datasets.batch import collate
+    from torchtitan.data.sampling.augment import Augmenter
+    from torchtitan.data.batch import collate
 
     batches = [collate([samples[g]]) for g in indices]
     threads = torch.get_num_threads()
@@ -701,7 +701,7 @@ def main() -> None:
                                                      args.profile + 1, args.seed, args.crop))
         return
 
-    from torchtitan.datasets import stores
+    from torchtitan.data.io import stores
 
     stores.configure(stores.StoreSettings(cache_bytes=args.ts_cache_mb << 20))
     server = None if args.no_http else start_http_server(args.data)
@@ -741,7 +741,7 @@ def main() -> None:
         print("  cellmap augmentation: mirror z/y/x, transpose (random permutation of the axes)")
     print("  Mvoxel/CPU-s: voxels per CPU-second of the main process and its workers (the rate "
           "per fully used core; robust to other load)")
-    print("  raw[chunks]: the raw reads through torchtitan.datasets.zarr_chunks, the reader ours "
+    print("  raw[chunks]: the raw reads through torchtitan.data.io.zarr_chunks, the reader ours "
           "uses (ours / raw[chunks] is the cost of everything but reading)")
     print(f"{'reader':12s} {'Mvoxel/s':>19s} {'Mvoxel/CPU-s':>19s} {'ours/raw':>9s} "
           f"{'ours/raw[chunks]':>17s} {'ours/cellmap':>13s}")

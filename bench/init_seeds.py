@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets.augment import Augmenter
-from torchtitan.datasets.loader import build_loader
+from torchtitan.data.sampling.augment import Augmenter
+from torchtitan.data.sampling.loader import build_loader
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallelize import clip_grad_norm_
 from torchtitan.parallelisms.seeded_init import init_model, model_tensors

@@ -35,7 +35,7 @@ import sys
 import time
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets import cellmap
+from torchtitan.data.sources import cellmap
 from torchtitan.errors import UserError
 from torchtitan.postprocess.masks import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
 from torchtitan.scoring.stores import open_submission, prediction_level, read_truth

@@ -63,8 +63,8 @@ def debug_backbone(name: str, min_head_dim: int = 0) -> str:
 def annotated_classes(data: Path, classes: list[str]) -> list[str]:
     """Those of ``classes`` that at least one label crop of the dataset folder annotates
     (itself or through all of its parts), in the given order."""
-    from torchtitan.datasets.cellmap import discover
-    from torchtitan.datasets.targets import annotates
+    from torchtitan.data.sources.cellmap import discover
+    from torchtitan.data.sampling.targets import annotates
 
     crops = [crop for source in discover(str(data)) for crop in source.crops]
     return [c for c in classes if any(annotates(crop, c) for crop in crops)]

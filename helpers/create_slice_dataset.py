@@ -41,8 +41,8 @@ import numpy as np
 from torchtitan.choices import EM_SCALE
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.datasets.samples import CropReader, crop_grid
-from torchtitan.datasets.targets import annotates
+from torchtitan.data.sampling.samples import CropReader, crop_grid
+from torchtitan.data.sampling.targets import annotates
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
 from torchtitan.tools.cli import parse_classes, parse_voxel_size, script_parser

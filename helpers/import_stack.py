@@ -31,15 +31,15 @@ voxels; N > 1: also every voxel within N-1 face steps of them); --unknown ids ar
 in any class.
 
 Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and, e.g.,
---data.val_crops crop2 (README: "Your own EM"). See torchtitan/datasets/image_stack.py.
+--data.val_crops crop2 (README: "Your own EM"). See torchtitan/data/imports/image_stack.py.
 """
 
 import sys
 
 from torchtitan.tools.cli import script_parser
-from torchtitan.datasets.id_labels import IdLabels
-from torchtitan.datasets.image_stack import INSTANCE_MODES, import_stack
-from torchtitan.datasets.stack_labels import (
+from torchtitan.data.imports.id_labels import IdLabels
+from torchtitan.data.imports.image_stack import INSTANCE_MODES, import_stack
+from torchtitan.data.imports.stack_labels import (
     ImageStackError,
     ValueMap,
     Values,

@@ -14,7 +14,7 @@ from its tile; its unannotated voxels are hatched.
 import argparse
 import sys
 
-from torchtitan.datasets.cellmap import DatasetError
+from torchtitan.data.sources.cellmap import DatasetError
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli
 from torchtitan.tools.cli import (

@@ -545,7 +545,7 @@ def call_entry(entry: str, argv: list[str]) -> int:
 def _prediction_store(path: Path, crop, scale_by: float, translation_in_voxels: bool) -> str:
     """Crop ``crop``'s ground truth written as a prediction store (the submission format: arrays
     with voxel_size and translation), its voxel size scaled or its translation in voxels."""
-    from torchtitan.datasets.cellmap import open_array
+    from torchtitan.data.sources.cellmap import open_array
 
     root = zarr.open_group(str(path), mode="w", zarr_format=2)
     for cls, levels in crop.classes.items():
@@ -563,7 +563,7 @@ def _prediction_store(path: Path, crop, scale_by: float, translation_in_voxels: 
 def call_ctx(results, tmp_path_factory) -> dict:
     """The context of the in-process calls: that of the processes, plus a copy of one dataset,
     stores predict.py did not write, prediction stores with grid mistakes and .pth files."""
-    from torchtitan.datasets.cellmap import discover
+    from torchtitan.data.sources.cellmap import discover
     from torchtitan.tools.prediction_store import OWNER_ATTR
 
     ctx = dict(results["ctx"])

@@ -10,9 +10,9 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from torchtitan.config.manager import JobConfig
-from torchtitan.datasets.augment import Augmenter, DeviceAugmentation
-from torchtitan.datasets.batch import Batch, Sample, collate
-from torchtitan.datasets.samples import normalize_em
+from torchtitan.data.sampling.augment import Augmenter, DeviceAugmentation
+from torchtitan.data.batch import Batch, Sample, collate
+from torchtitan.data.sampling.samples import normalize_em
 from torchtitan.tasks import MAETask, SegmentationTask, Task, ValidationContext
 
 
@@ -59,7 +59,7 @@ def test_collate_makes_a_batch_of_named_fields():
 
 
 def test_loader_workers_ship_batches_in_shared_memory():
-    from torchtitan.datasets.loader import build_loader
+    from torchtitan.data.sampling.loader import build_loader
 
     loader = build_loader(_Samples(intensity=True), 4, 0, 1, start_step=1, num_workers=1)
     batch = next(iter(loader))

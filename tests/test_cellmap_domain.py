@@ -19,9 +19,9 @@ import zarr
 
 from torchtitan.cellmap.labels import LabelEncoding, label_to_ids, label_to_target
 from torchtitan.cellmap.ome_ngff import read_multiscales, write_multiscale_array_group
-from torchtitan.datasets.cellmap import EM_GROUP, GT_GROUP, discover
-from torchtitan.datasets.samples import SegmentationSamples
-from torchtitan.datasets.targets import compose_targets, groups_to_read, read_instance_ids, read_raw
+from torchtitan.data.sources.cellmap import EM_GROUP, GT_GROUP, discover
+from torchtitan.data.sampling.samples import SegmentationSamples
+from torchtitan.data.sampling.targets import compose_targets, groups_to_read, read_instance_ids, read_raw
 from torchtitan.tools.label_crops import read_crop_volume
 from torchtitan.scoring.stores import read_truth
 

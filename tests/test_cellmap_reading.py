@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import zarr
 
-from torchtitan.datasets.cellmap import (
+from torchtitan.data.sources.cellmap import (
     DatasetError,
     discover,
     read_linear,
 )
-from torchtitan.datasets.samples import SegmentationSamples, crop_grid
-from torchtitan.datasets.targets import read_target
+from torchtitan.data.sampling.samples import SegmentationSamples, crop_grid
+from torchtitan.data.sampling.targets import read_target
 
 
 def _write_level_group(group_path: Path, arrays: list[np.ndarray], scales, translations, attrs=None):

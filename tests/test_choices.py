@@ -11,8 +11,8 @@ import torch
 
 from torchtitan import choices
 from torchtitan.config.manager import JobConfig
-from torchtitan.datasets.batch import Batch
-from torchtitan.datasets.samples import normalize_em
+from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.samples import normalize_em
 from torchtitan.models import build_backbone
 from torchtitan.models.attention import attention, resolve_attention_backend
 from torchtitan.models.losses import _PARTS, LOSSES, build_loss

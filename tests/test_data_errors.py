@@ -18,20 +18,20 @@ import zarr
 
 from conftest import launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets import cellmap
-from torchtitan.datasets.cellmap import (
+from torchtitan.data.sources import cellmap
+from torchtitan.data.sources.cellmap import (
     ChunkReadError,
     DatasetError,
     check_voxel_size,
     discover,
     read_linear,
 )
-from torchtitan.datasets.loader import (
+from torchtitan.data.sampling.loader import (
     build_segmentation_samples,
     load_em_sources,
     load_segmentation_data,
 )
-from torchtitan.datasets.zarr_chunks import ChunkedArray
+from torchtitan.data.io.zarr_chunks import ChunkedArray
 
 EM = "recon-1/em/fibsem-uint8"
 GT = "recon-1/labels/groundtruth"

@@ -17,10 +17,10 @@ import pytest
 import zarr
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets import cellmap
-from torchtitan.datasets.cellmap import DatasetError
-from torchtitan.datasets.loader import build_segmentation_samples, load_segmentation_data
-from torchtitan.datasets.samples import normalize_em
+from torchtitan.data.sources import cellmap
+from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.sampling.loader import build_segmentation_samples, load_segmentation_data
+from torchtitan.data.sampling.samples import normalize_em
 
 EM = "recon-1/em/fibsem-uint8"
 CONFIG = "train_configs/debug_segmentation_2d.toml"

@@ -13,7 +13,7 @@ or an ``if TYPE_CHECKING`` block too: a lazy import is still an import). Then:
 * the config (the ``config`` package: the schema, its parsing and checks, floor 1)
   imports nothing of ours but itself and ``errors``;
 * more generally, no module imports a module on a floor above its own (``FLOORS``), and on
-  floor 3 models and datasets know nothing of each other.
+  floor 3 models and data know nothing of each other.
 
 The walker itself is tested on a small synthetic package, so that a rule cannot pass
 because the walker missed an import.
@@ -188,7 +188,7 @@ FLOORS = {
     CHOICES: 0,
     f"{PACKAGE}.cellmap": 2,
     f"{PACKAGE}.models": 3,
-    f"{PACKAGE}.datasets": 3,
+    f"{PACKAGE}.data": 3,
     f"{PACKAGE}.evaluation": 3,  # python -m torchtitan.evaluation: the scoring command's old name
     f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances, in memory or blockwise
     f"{PACKAGE}.scoring": 3,  # the CellMap metrics; scoring prediction stores
@@ -230,12 +230,12 @@ def test_no_module_imports_a_floor_above_its_own(graph):
     assert upward_imports(graph) == []
 
 
-def test_models_and_datasets_know_nothing_of_each_other(graph):
-    """Floor 3: models know nothing of data; datasets know nothing of models."""
-    assert all(not within(m, f"{PACKAGE}.datasets") for name, imported in graph.items()
+def test_models_and_data_know_nothing_of_each_other(graph):
+    """Floor 3: models know nothing of data; the data knows nothing of models."""
+    assert all(not within(m, f"{PACKAGE}.data") for name, imported in graph.items()
                if within(name, f"{PACKAGE}.models") for m in imported)
     assert all(not within(m, f"{PACKAGE}.models") for name, imported in graph.items()
-               if within(name, f"{PACKAGE}.datasets") for m in imported)
+               if within(name, f"{PACKAGE}.data") for m in imported)
 
 
 # ---------------------------------------------------------------------------------------------

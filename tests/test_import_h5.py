@@ -24,11 +24,11 @@ from conftest import SHARED
 from torchtitan.cellmap.labels import LabelEncoding
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets import cellmap
-from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
-from torchtitan.datasets.id_labels import boundary_mask
-from torchtitan.datasets.volume_files import HDF5Volume
-from torchtitan.datasets.volume_source import build_source
+from torchtitan.data.sources import cellmap
+from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.data.imports.id_labels import boundary_mask
+from torchtitan.data.imports.volume_files import HDF5Volume
+from torchtitan.data.sources.volume_source import build_source
 from test_import_stack import imported, run
 
 MEDULLA = SHARED / "data" / "medulla"

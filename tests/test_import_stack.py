@@ -24,12 +24,12 @@ from conftest import REPO, SHARED, script_module
 from torchtitan.cellmap.labels import LabelEncoding, label_to_target
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales, stored_intensity_range
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets import cellmap
-from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
-from torchtitan.datasets.image_stack import natural_key
-from torchtitan.datasets.loader import build_segmentation_samples, load_em_sources, load_segmentation_data
-from torchtitan.datasets.samples import CropReader, crop_grid
-from torchtitan.datasets.targets import read_instance_ids
+from torchtitan.data.sources import cellmap
+from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.data.imports.image_stack import natural_key
+from torchtitan.data.sampling.loader import build_segmentation_samples, load_em_sources, load_segmentation_data
+from torchtitan.data.sampling.samples import CropReader, crop_grid
+from torchtitan.data.sampling.targets import read_instance_ids
 from torchtitan.errors import run_cli
 
 import_main = script_module("helpers/import_stack.py").main

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets.cellmap import DatasetError
-from torchtitan.datasets.loader import (
+from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.sampling.loader import (
     GlobalBatchSampler,
     build_loader,
     build_segmentation_samples,

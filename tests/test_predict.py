@@ -7,8 +7,8 @@ import pytest
 import zarr
 
 from conftest import launch
-from torchtitan.datasets.cellmap import discover
-from torchtitan.datasets.samples import crop_grid
+from torchtitan.data.sources.cellmap import discover
+from torchtitan.data.sampling.samples import crop_grid
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ class FlakyHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def local_copy(demo_data, tmp_path_factory) -> Path:
     """A copy of the demo data with its listing index (what gets uploaded)."""
-    from torchtitan.datasets.stores import write_index
+    from torchtitan.data.io.stores import write_index
 
     root = tmp_path_factory.mktemp("remote") / "data"
     shutil.copytree(demo_data, root)
@@ -107,7 +107,8 @@ def s3_root(local_copy):
 
 
 def _fresh_reader_state():
-    from torchtitan.datasets import cellmap, stores
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.io import stores
 
     cellmap._ARRAY_CACHE.clear()
     stores._TREES.clear()
@@ -124,7 +125,9 @@ def _summary(sources):
 
 
 def test_same_boxes_and_layout_from_disk_http_and_s3(local_copy, http_root, s3_root):
-    from torchtitan.datasets import cellmap, stores, zarr_chunks
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.io import stores
+    from torchtitan.data.io import zarr_chunks
 
     _fresh_reader_state()
     url, _ = http_root
@@ -148,7 +151,7 @@ def test_same_boxes_and_layout_from_disk_http_and_s3(local_copy, http_root, s3_r
 
 def test_split_list_with_urls(local_copy, http_root, tmp_path):
     """A split list names remote stores and crops (with and without class lists)."""
-    from torchtitan.datasets import cellmap
+    from torchtitan.data.sources import cellmap
 
     _fresh_reader_state()
     url, _ = http_root
@@ -171,7 +174,8 @@ def test_n5_and_sharded_zarr_read_with_tensorstore(tmp_path):
     import tensorstore as ts
     import zarr
 
-    from torchtitan.datasets import cellmap, stores
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.io import stores
 
     data = np.arange(20 * 30 * 40, dtype=np.uint16).reshape(20, 30, 40)
     n5 = tmp_path / "a.n5"
@@ -192,7 +196,8 @@ def test_n5_and_sharded_zarr_read_with_tensorstore(tmp_path):
 
 
 def test_transient_server_errors_are_retried(local_copy, http_root):
-    from torchtitan.datasets import cellmap, stores
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.io import stores
 
     _fresh_reader_state()
     url, server = http_root
@@ -212,8 +217,8 @@ def test_transient_server_errors_are_retried(local_copy, http_root):
 def test_persistent_network_error_is_counted_like_a_corrupt_chunk(local_copy, http_root):
     """A chunk the server keeps refusing: ChunkReadError after the retries, and a training
     sample that needs it is redrawn and counted in ``resampled``."""
-    from torchtitan.datasets import cellmap
-    from torchtitan.datasets.samples import SegmentationSamples
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.sampling.samples import SegmentationSamples
 
     _fresh_reader_state()
     url, server = http_root
@@ -241,7 +246,7 @@ def test_persistent_network_error_is_counted_like_a_corrupt_chunk(local_copy, ht
 
 
 def test_unreachable_or_misspelled_url_is_named(http_root, s3_root):
-    from torchtitan.datasets import cellmap
+    from torchtitan.data.sources import cellmap
 
     _fresh_reader_state()
     url, _ = http_root

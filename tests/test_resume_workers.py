@@ -15,7 +15,7 @@ import torch
 
 from conftest import launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
-from torchtitan.datasets.loader import (
+from torchtitan.data.sampling.loader import (
     build_loader,
     build_segmentation_samples,
     load_segmentation_data,

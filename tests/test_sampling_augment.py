@@ -16,18 +16,18 @@ import torch
 import zarr
 
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets.cellmap import DatasetError, discover
+from torchtitan.data.sources.cellmap import DatasetError, discover
 from torchtitan.cellmap.classes import (
     CLASS_PARTS,
     INSTANCE_CLASSES,
     atoms,
     check_class_names,
 )
-from torchtitan.datasets.augment import Augmenter
-from torchtitan.datasets.batch import Batch, Sample, collate
-from torchtitan.datasets.mae_samples import MAESamples
-from torchtitan.datasets.samples import SegmentationSamples, samples_kwargs
-from torchtitan.datasets.targets import annotates, read_instance_ids, read_target, target_groups
+from torchtitan.data.sampling.augment import Augmenter
+from torchtitan.data.batch import Batch, Sample, collate
+from torchtitan.data.sampling.mae_samples import MAESamples
+from torchtitan.data.sampling.samples import SegmentationSamples, samples_kwargs
+from torchtitan.data.sampling.targets import annotates, read_instance_ids, read_target, target_groups
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
 GT = "recon-1/labels/groundtruth"
@@ -384,7 +384,7 @@ def test_device_intensity_changes(spatial):
     """The batched torch intensity changes equal the same formulas in numpy and scipy (blur:
     scipy's gaussian_filter, mode nearest), and each sample comes out the same whether it is
     changed alone or in a batch; the noise follows the sample's seed."""
-    from torchtitan.datasets.augment import BLUR_TRUNCATE, apply_intensity
+    from torchtitan.data.sampling.augment import BLUR_TRUNCATE, apply_intensity
 
     rng = np.random.default_rng(0)
     image = torch.from_numpy(rng.uniform(-1, 1, (3, 1, *spatial)).astype(np.float32))
@@ -605,7 +605,7 @@ def test_separable_resampling_equals_scipy(ndim):
     """Rotation about z and zoom are resampled by per-axis gathers; the result equals scipy's
     affine transform: nearest neighbour exactly, linear to float32 rounding, and positions
     outside the input read cval."""
-    from torchtitan.datasets.augment import Plan, read_shape, resample, resample_matrix
+    from torchtitan.data.sampling.augment import Plan, read_shape, resample, resample_matrix
 
     rng = np.random.default_rng(ndim)
     vox = (16.0, 8.0, 8.0)[-ndim:] if ndim == 3 else (8.0, 8.0)
@@ -639,7 +639,7 @@ def test_device_geometry_equals_host_resampling(ndim, vox):
     resampling then flipping on the host; every box read fits the buffer; a batch gives
     what its samples give alone; nearest neighbour on the host agrees, and the labels' flips
     made on the device from ``axis_map`` equal ``apply_flips``."""
-    from torchtitan.datasets.augment import (
+    from torchtitan.data.sampling.augment import (
         Augmenter, apply_axis_map, apply_flips, apply_geometry, axis_map, device_geometry,
         max_read_shape, nearest_from_geometry, read_shape, resample, resample_matrix)
 

@@ -20,18 +20,18 @@ from conftest import REPO, debug_run, launch, read_jsonl, script_module
 datasets = pytest.importorskip("datasets")
 
 from torchtitan.config.manager import ConfigManager  # noqa: E402
-from torchtitan.datasets.cellmap import DatasetError, discover  # noqa: E402
-from torchtitan.datasets.loader import build_segmentation_samples  # noqa: E402
-from torchtitan.datasets.samples import crop_grid, normalize_em  # noqa: E402
-from torchtitan.datasets.slices import (  # noqa: E402
+from torchtitan.data.sources.cellmap import DatasetError, discover  # noqa: E402
+from torchtitan.data.sampling.loader import build_segmentation_samples  # noqa: E402
+from torchtitan.data.sampling.samples import crop_grid, normalize_em  # noqa: E402
+from torchtitan.data.slices.samples import (  # noqa: E402
     build_slice_mae_samples,
     build_slice_samples,
     load_mae_slices,
     load_slice_data,
 )
-from torchtitan.datasets.slices_original import CellMapIdLabels  # noqa: E402
-from torchtitan.datasets.targets import annotates  # noqa: E402
-from torchtitan.datasets.volume_source import CellMapSource, SliceSource, build_source  # noqa: E402
+from torchtitan.data.slices.original import CellMapIdLabels  # noqa: E402
+from torchtitan.data.sampling.targets import annotates  # noqa: E402
+from torchtitan.data.sources.volume_source import CellMapSource, SliceSource, build_source  # noqa: E402
 
 
 def _same(a, b) -> bool:

@@ -1,4 +1,4 @@
-"""The direct chunk reader (torchtitan/datasets/zarr_chunks.py) against zarr-python.
+"""The direct chunk reader (torchtitan/data/io/zarr_chunks.py) against zarr-python.
 
 Every layout the reader claims is written with zarr-python and read back both ways over
 boxes that start and end inside chunks, cover edge chunks, and cross missing chunks; layouts
@@ -13,9 +13,9 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
-from torchtitan.datasets import cellmap
-from torchtitan.datasets.stores import TensorStoreArray
-from torchtitan.datasets.zarr_chunks import ChunkedArray, open_fast
+from torchtitan.data.sources import cellmap
+from torchtitan.data.io.stores import TensorStoreArray
+from torchtitan.data.io.zarr_chunks import ChunkedArray, open_fast
 
 SHAPE = (21, 34, 19)  # not a multiple of the chunks: edge chunks are partial
 CHUNKS = (8, 16, 7)

@@ -33,9 +33,9 @@ from torchtitan.checkpoint.manager import CheckpointManager, ResumePlan, plan_re
 from torchtitan.checkpoint.reading import complete_steps, step_folder
 from torchtitan.checkpoint.train_state import TrainState
 from torchtitan.config.manager import ConfigManager, JobConfig
-from torchtitan.datasets.augment import Augmenter
-from torchtitan.datasets.batch import Batch
-from torchtitan.datasets.loader import build_loader
+from torchtitan.data.sampling.augment import Augmenter
+from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
 from torchtitan.logging_metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention

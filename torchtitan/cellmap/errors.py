@@ -1,6 +1,6 @@
 """The error raised for data on disk (or its description) that breaks the domain's rules.
 
-It lives here, not in ``datasets/``, because the domain layer itself raises it (an unknown
+It lives here, not in ``data/``, because the domain layer itself raises it (an unknown
 class name, a group without OME-NGFF metadata) and must not import the floors above it.
 """
 

@@ -32,7 +32,7 @@ UNIT = "nanometer"
 
 
 # A metadata reader: the parsed JSON document at a location (local path or URL), None when
-# absent. The default reads local files; ``torchtitan.datasets.stores.read_json`` also reads
+# absent. The default reads local files; ``torchtitan.data.io.stores.read_json`` also reads
 # remote stores (S3, GCS, HTTP), so the functions below work on either.
 JsonReader = Callable[[str], "dict | None"]
 

@@ -7,7 +7,7 @@ Reads a prediction store and the ground truth, puts every predicted class on its
 ground-truth grid (the s0 level of the crop's class group) in world coordinates and scores
 it as the CellMap segmentation challenge scores a submission. Floor 3 beside the metrics of
 :mod:`torchtitan.scoring.metrics` (whose matching, Hausdorff distance and normalisation it
-uses); it reads stores through :mod:`torchtitan.cellmap` and :mod:`torchtitan.datasets`.
+uses); it reads stores through :mod:`torchtitan.cellmap` and :mod:`torchtitan.data`.
 
 Prediction layout (the challenge's submission layout, and what ``predict.py`` writes):
 ``PRED.zarr/crop<N>/<class>``, each either a 3D array with the attributes ``voxel_size`` and
@@ -82,7 +82,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import ScaleLevel
 from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to_target
 from torchtitan.cellmap.ome_ngff import read_multiscales
-from torchtitan.datasets import cellmap
+from torchtitan.data.sources import cellmap
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import (
     THRESHOLD,

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.datasets.batch import Batch, CropVolume
-from torchtitan.datasets.samples import READ_ERRORS
-from torchtitan.datasets.volume_source import VolumeSource, build_source
+from torchtitan.data.batch import Batch, CropVolume
+from torchtitan.data.sampling.samples import READ_ERRORS
+from torchtitan.data.sources.volume_source import VolumeSource, build_source
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 from torchtitan.inference import VolumePredictor
 from torchtitan.models import (

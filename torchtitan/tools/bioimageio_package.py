@@ -66,8 +66,8 @@ def spatial_axes(ndim: int) -> list[str]:
 
 
 def preprocessing(v, em_range: tuple[float, float] | None) -> list:
-    """The trainer's EM scaling (datasets/cellmap.py ``em_to_uint8_scale``, then
-    datasets/samples.py ``normalize_em``) as bioimage.io operations."""
+    """The trainer's EM scaling (data/sources/cellmap.py ``em_to_uint8_scale``, then
+    data/sampling/samples.py ``normalize_em``) as bioimage.io operations."""
     ops = [v.EnsureDtypeDescr(kwargs=v.EnsureDtypeKwargs(dtype="float32"))]
     if em_range is None:  # uint8 EM as stored: x / 127.5 - 1
         gain, offset = 1 / EM_SCALE, -1.0

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.checkpoint.reading import STEP_RE, resolve_step_folder
 from torchtitan.config.parsing import config_to_dict, config_to_toml
-from torchtitan.datasets.cellmap import discover, em_to_uint8_scale, read_linear, set_em_ranges
-from torchtitan.datasets.samples import crop_grid, grid_shape, normalize_em
+from torchtitan.data.sources.cellmap import discover, em_to_uint8_scale, read_linear, set_em_ranges
+from torchtitan.data.sampling.samples import crop_grid, grid_shape, normalize_em
 from torchtitan.errors import UserError
 from torchtitan.tools import exported
 from torchtitan.tools.exported import ExportError

@@ -11,7 +11,7 @@ import numpy as np
 
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.cellmap.ome_ngff import read_multiscales
-from torchtitan.datasets.cellmap import (
+from torchtitan.data.sources.cellmap import (
     EM_GROUP,
     GT_GROUP,
     DatasetError,
@@ -22,8 +22,8 @@ from torchtitan.datasets.cellmap import (
     read_linear,
     read_nearest,
 )
-from torchtitan.datasets.samples import crop_grid
-from torchtitan.datasets.targets import annotates, read_target
+from torchtitan.data.sampling.samples import crop_grid
+from torchtitan.data.sampling.targets import annotates, read_target
 from torchtitan.scoring.stores import prediction_level
 from torchtitan.tools.drawing import CLASS_COLORS
 

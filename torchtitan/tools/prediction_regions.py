@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.cellmap.challenge import ChallengeCrop, is_test_manifest, read_test_manifest
-from torchtitan.datasets.cellmap import DatasetError, EMSource
-from torchtitan.datasets.samples import crop_grid
+from torchtitan.data.sources.cellmap import DatasetError, EMSource
+from torchtitan.data.sampling.samples import crop_grid
 from torchtitan.errors import ConfigError
 
 

@@ -89,14 +89,14 @@ from torchtitan.cellmap.ome_ngff import (
 from torchtitan.checkpoint.reading import complete_steps, load_model_weights, resolve_step_folder
 from torchtitan.config.manager import ConfigManager
 from torchtitan.convert import load_pth_state_dict
-from torchtitan.datasets.cellmap import (
+from torchtitan.data.sources.cellmap import (
     DatasetError,
     discover,
     em_to_uint8_scale,
     read_linear,
     set_em_ranges,
 )
-from torchtitan.datasets.samples import normalize_em
+from torchtitan.data.sampling.samples import normalize_em
 from torchtitan.errors import CheckpointError, ConfigError
 from torchtitan.inference import (
     VolumePredictor,

@@ -45,7 +45,7 @@ from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import Grid
 from torchtitan.cellmap.ome_ngff import VIEW_CHUNKS, read_attrs, read_multiscales
-from torchtitan.datasets.cellmap import discover
+from torchtitan.data.sources.cellmap import discover
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import label_instances
 from torchtitan.scoring.stores import prediction_level, resample_prediction

@@ -25,7 +25,7 @@ One sample is made in four steps:
 
 MAE samples (``mae_samples.py``) are made the same way, without labels.
 
-Items are :class:`~torchtitan.datasets.batch.Sample` objects, arrays (C, *spatial). While a
+Items are :class:`~torchtitan.data.batch.Sample` objects, arrays (C, *spatial). While a
 sample is made its arrays travel as a :class:`SampleArrays` (numpy, on the host).
 
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
@@ -46,9 +46,9 @@ from torch.utils.data import Dataset
 
 from torchtitan.choices import EM_SCALE, PLANES
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets.augment import Augmenter, DeviceAugmentation
-from torchtitan.datasets.batch import Sample
-from torchtitan.datasets.cellmap import (
+from torchtitan.data.sampling.augment import Augmenter, DeviceAugmentation
+from torchtitan.data.batch import Sample
+from torchtitan.data.sources.cellmap import (
     ChunkReadError,
     DatasetError,
     EMSource,
@@ -58,7 +58,7 @@ from torchtitan.datasets.cellmap import (
 )
 from torchtitan.cellmap.classes import check_class_names
 from torchtitan.cellmap.grids import ScaleLevel, closest_level, grid_origin_snapped
-from torchtitan.datasets.targets import (
+from torchtitan.data.sampling.targets import (
     annotates,
     compose_targets,
     groups_to_read,
@@ -88,7 +88,7 @@ def sample_rng(seed: int, index: int, attempt: int = 0) -> np.random.Generator:
 
 def normalize_em(img: np.ndarray) -> np.ndarray:
     """uint8 intensities to roughly zero mean, unit range (float32, one pass).
-    :meth:`torchtitan.datasets.batch.Batch.to` does the same on the device for samples
+    :meth:`torchtitan.data.batch.Batch.to` does the same on the device for samples
     shipped as uint8, bit for bit."""
     out = np.divide(img, np.float32(EM_SCALE), dtype=np.float32)
     out -= np.float32(1.0)
@@ -361,7 +361,7 @@ class SampleDataset(Dataset):
 class SegmentationSamples(SampleDataset):
     """Random crops of EM with aligned binary targets and per-class validity masks.
 
-    Item ``g`` is a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop)
+    Item ``g`` is a :class:`~torchtitan.data.batch.Sample`: ``image`` (1, *crop)
     (float32, or raw uint8 when ``em_uint8``), ``target`` and ``valid`` (K, *crop) uint8,
     ``index`` (the global sample index) and ``resampled`` (replacements after read errors);
     with intensity augmentation or rotation and zoom made on the device also

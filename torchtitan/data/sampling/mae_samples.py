@@ -16,11 +16,11 @@ import torch
 
 from torchtitan.choices import EM_SCALE
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets.augment import nearest_from_geometry
-from torchtitan.datasets.batch import Sample
-from torchtitan.datasets.cellmap import DatasetError, EMSource, LabelCrop
+from torchtitan.data.sampling.augment import nearest_from_geometry
+from torchtitan.data.batch import Sample
+from torchtitan.data.sources.cellmap import DatasetError, EMSource, LabelCrop
 from torchtitan.cellmap.grids import grid_origin_snapped
-from torchtitan.datasets.samples import SampleArrays, SampleDataset, read_em
+from torchtitan.data.sampling.samples import SampleArrays, SampleDataset, read_em
 
 # Foreground filter: draws per sample before the best one is kept.
 FOREGROUND_DRAWS = 16
@@ -60,7 +60,7 @@ def best_draw(draw_once: Callable[[], T], fraction: Callable[[T], float],
 class MAESamples(SampleDataset):
     """Random EM crops anywhere inside the EM volumes (no labels needed).
 
-    Item ``g``, a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, *crop), ``valid``
+    Item ``g``, a :class:`~torchtitan.data.batch.Sample`: ``image`` (1, *crop), ``valid``
     (1, *crop) (0 where the crop leaves the volume: padding, excluded from the loss),
     ``index``, ``resampled``, with intensity augmentation or rotation and zoom on the device
     ``augmentation`` (see :class:`SegmentationSamples`), and with

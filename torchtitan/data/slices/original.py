@@ -35,7 +35,7 @@ from torchtitan.cellmap.classes import CLASS_IDS, atoms
 from torchtitan.cellmap.errors import DatasetError
 
 if TYPE_CHECKING:
-    from torchtitan.datasets.slice_index import SliceCrop, SliceIndex
+    from torchtitan.data.slices.index import SliceCrop, SliceIndex
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.datasets import slices_original
+from torchtitan.data.slices import original as slices_original
 from torchtitan.errors import redact_secrets
 
 # Schemas (see the module docstring).

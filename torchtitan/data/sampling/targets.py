@@ -21,7 +21,7 @@ import numpy as np
 from torchtitan.cellmap.classes import atoms
 from torchtitan.cellmap.grids import label_level
 from torchtitan.cellmap.labels import label_to_ids, label_to_target
-from torchtitan.datasets.cellmap import LabelCrop, read_nearest
+from torchtitan.data.sources.cellmap import LabelCrop, read_nearest
 
 
 def unknown_value(crop: LabelCrop, group: str) -> int:

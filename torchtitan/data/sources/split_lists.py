@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.cellmap.errors import DatasetError
-from torchtitan.datasets import stores
+from torchtitan.data.io import stores
 
 # CSV, as cellmap-data / the CellMap challenge write it (no header; one crop per row):
 #     "train","/data/jrc_x/jrc_x.zarr","recon-1/em/fibsem-uint8",

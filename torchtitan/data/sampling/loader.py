@@ -4,8 +4,8 @@ The loader is a plain ``torch.utils.data.DataLoader`` over a dataset indexed by 
 index, driven by :class:`GlobalBatchSampler`, which hands each data-parallel rank its slice of
 every global batch. Its only state is the next step, so resuming is exact for any number of
 worker processes: restart the sampler at the checkpointed step and the same samples follow.
-Items are :class:`~torchtitan.datasets.batch.Sample` objects, collated into a
-:class:`~torchtitan.datasets.batch.Batch` (``batch.collate``).
+Items are :class:`~torchtitan.data.batch.Sample` objects, collated into a
+:class:`~torchtitan.data.batch.Batch` (``batch.collate``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import logging
 import numpy as np
 from torch.utils.data import DataLoader, Sampler
 
-from torchtitan.datasets import cellmap, stores
-from torchtitan.datasets.batch import collate
-from torchtitan.datasets.cellmap import (
+from torchtitan.data.sources import cellmap
+from torchtitan.data.io import stores
+from torchtitan.data.batch import collate
+from torchtitan.data.sources.cellmap import (
     DatasetError,
     EMSource,
     LabelCrop,
@@ -29,9 +30,9 @@ from torchtitan.datasets.cellmap import (
     set_em_ranges,
 )
 from torchtitan.cellmap.classes import check_class_names
-from torchtitan.datasets.mae_samples import MAESamples
-from torchtitan.datasets.samples import SegmentationSamples, grid_shape, samples_kwargs
-from torchtitan.datasets.targets import annotates
+from torchtitan.data.sampling.mae_samples import MAESamples
+from torchtitan.data.sampling.samples import SegmentationSamples, grid_shape, samples_kwargs
+from torchtitan.data.sampling.targets import annotates
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _worker_init(store_settings: stores.StoreSettings, worker_id: int) -> None:
 def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start_step: int,
                  num_workers: int, pin_memory: bool = False,
                  multiprocessing_context: str | None = None) -> DataLoader:
-    """A DataLoader that yields this rank's :class:`~torchtitan.datasets.batch.Batch` of each
+    """A DataLoader that yields this rank's :class:`~torchtitan.data.batch.Batch` of each
     step ``start_step, start_step + 1, ...``.
 
     Samples depend only on their global index, so the loader can be rebuilt at any step and

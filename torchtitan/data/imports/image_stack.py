@@ -3,7 +3,7 @@
 Most EM starts as a folder of 2D images, one per section, with a matching folder of label
 images whose pixel values stand for classes (191 = mitochondrion, 0-128 = membrane, ...).
 :func:`import_stack` turns such a stack into an ordinary dataset of the CellMap layout
-(``datasets/cellmap.py``), so training, validation, ``predict.py`` and scoring read it like any
+(``data/sources/cellmap.py``), so training, validation, ``predict.py`` and scoring read it like any
 other:
 
     <out>/<name>/<name>.zarr/recon-1/em/fibsem-uint8/s0, s1, ...       (uint16 EM: fibsem-uint16)
@@ -29,7 +29,7 @@ other:
   instance class and may derive a boundary class from them (``id_labels``).
 * A stack without labels becomes EM only (for MAE pretraining and prediction).
 
-What label values mean (value maps) and the crops are :mod:`torchtitan.datasets.stack_labels`.
+What label values mean (value maps) and the crops are :mod:`torchtitan.data.imports.stack_labels`.
 Everything is checked before anything is written; the store is written beside its final
 place and renamed into it at the end, so a failed import leaves no half-written dataset.
 """
@@ -54,16 +54,16 @@ from torchtitan.cellmap.ome_ngff import (
     write_multiscale_array_group,
     write_pyramid,
 )
-from torchtitan.datasets.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
-from torchtitan.datasets.id_labels import IdLabels, check_id_options, check_id_volume, id_classes
-from torchtitan.datasets.stack_labels import (
+from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.data.imports.id_labels import IdLabels, check_id_options, check_id_volume, id_classes
+from torchtitan.data.imports.stack_labels import (
     ImageStackError,
     ValueMap,
     check_crops,
     check_value_map,
     parse_crop,
 )
-from torchtitan.datasets.volume_files import (
+from torchtitan.data.imports.volume_files import (
     HDF5Volume,
     open_hdf5,
     resolve_voxel_size,

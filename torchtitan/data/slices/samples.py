@@ -6,7 +6,7 @@ original torchtitan-segmentation's schema (CellMap class ids, no geometry) is ad
 (e.g. ``eminorhan/openorganelle-2d``) or any dataset with an ``image`` column
 (:class:`SliceMAESamples`).
 
-Training draws samples like :class:`~torchtitan.datasets.samples.SegmentationSamples`: item
+Training draws samples like :class:`~torchtitan.data.sampling.samples.SegmentationSamples`: item
 ``g`` is decided by ``sample_rng(seed, g)`` alone (which slice, where in it, the augmentation
 plan of ``augment.py``), so the global batch sampler, exact resume and parallelism-independent
 losses carry over. Slices are drawn uniformly (``data.class_balanced`` is not supported), from
@@ -28,16 +28,16 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets import slices_original
-from torchtitan.datasets.augment import Augmenter, apply_flips, read_shape, resample_matrix
-from torchtitan.datasets.batch import Sample
+from torchtitan.data.slices import original as slices_original
+from torchtitan.data.sampling.augment import Augmenter, apply_flips, read_shape, resample_matrix
+from torchtitan.data.batch import Sample
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.datasets.loader import split_crops
-from torchtitan.datasets.mae_samples import best_draw, foreground_fraction
-from torchtitan.datasets.resampling import resample
-from torchtitan.datasets.samples import SampleArrays, normalize_em, sample_rng
-from torchtitan.datasets.slice_index import (
+from torchtitan.data.sampling.loader import split_crops
+from torchtitan.data.sampling.mae_samples import best_draw, foreground_fraction
+from torchtitan.data.sampling.resampling import resample
+from torchtitan.data.sampling.samples import SampleArrays, normalize_em, sample_rng
+from torchtitan.data.slices.index import (
     OURS,
     MaskColumns,
     SliceCrop,
@@ -170,7 +170,7 @@ class SliceSamples(Dataset):
     """Random 2D crops of the slices of the training crops, with binary targets and
     per-class validity masks: the item contract of ``SegmentationSamples``.
 
-    Item ``g`` is a :class:`~torchtitan.datasets.batch.Sample`: ``image`` (1, H, W),
+    Item ``g`` is a :class:`~torchtitan.data.batch.Sample`: ``image`` (1, H, W),
     ``target`` and ``valid`` (K, H, W) float32, ``index`` (the global sample index) and
     ``resampled`` (always 0: nothing here fails to read). A window is placed uniformly inside
     the slice; along an axis where the slice is smaller it is centred, and the padding is invalid for every class (EM reads 0 there, as
@@ -225,7 +225,7 @@ class SliceSamples(Dataset):
 
 class SliceMAESamples(Dataset):
     """Random 2D EM crops of the slices of a dataset, for MAE: the item contract of
-    :class:`~torchtitan.datasets.mae_samples.MAESamples` (a ``Sample``: ``image`` and ``valid``
+    :class:`~torchtitan.data.sampling.mae_samples.MAESamples` (a ``Sample``: ``image`` and ``valid``
     (1, H, W), 0 in the padding where a slice is smaller than the crop; ``noise`` for the
     masking; ``index``, ``resampled``), decided by ``sample_rng(seed, g)`` alone. Every row is an
     independent image at ``voxel_size``; with ``foreground_threshold`` > 0 the row and place

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
-from torchtitan.datasets.zarr_chunks import unit_box
+from torchtitan.data.io.zarr_chunks import unit_box
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ def list_dirs(location) -> list[str]:
             raise DatasetError(
                 f"{location}: an HTTP location cannot be listed and no {INDEX_NAME} was found "
                 "there or in a folder above it; write one with "
-                "torchtitan.datasets.stores.write_index(<local copy of the root>) before "
+                "torchtitan.data.io.stores.write_index(<local copy of the root>) before "
                 "uploading, or name the stores and crops with their classes in a split list"
             )
         covering = [t for t in _TREES.values() if t is not None and t.root != location

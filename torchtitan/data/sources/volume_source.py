@@ -1,6 +1,6 @@
 """Where the volumes come from, as one type: a :class:`VolumeSource` gives a task its training
 samples (segmentation or MAE), its validation crops and each crop's whole volume on the training
-grid (:meth:`VolumeSource.read_volume`, one :class:`~torchtitan.datasets.batch.CropVolume`).
+grid (:meth:`VolumeSource.read_volume`, one :class:`~torchtitan.data.batch.CropVolume`).
 
 One implementation per kind of source, chosen in one place (:func:`build_source`):
 
@@ -23,23 +23,23 @@ from torch.utils.data import Dataset
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.cellmap.errors import DatasetError
-from torchtitan.datasets.batch import CropVolume
-from torchtitan.datasets.loader import (
+from torchtitan.data.batch import CropVolume
+from torchtitan.data.sampling.loader import (
     build_mae_samples,
     build_segmentation_samples,
     held_out_crops,
     load_em_sources,
     load_segmentation_data,
 )
-from torchtitan.datasets.samples import CropReader, SampleArrays, crop_grid
-from torchtitan.datasets.slices import (
+from torchtitan.data.sampling.samples import CropReader, SampleArrays, crop_grid
+from torchtitan.data.slices.samples import (
     SliceReader,
     build_slice_mae_samples,
     build_slice_samples,
     load_mae_slices,
     load_slice_data,
 )
-from torchtitan.datasets.targets import annotates, read_instance_ids
+from torchtitan.data.sampling.targets import annotates, read_instance_ids
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ volume).
 What the loader workers ship: raw uint8 EM where it lies on the training grid (a quarter of
 the bytes; :meth:`Batch.to` normalises it on the device), uint8 masks, and the part of the
 augmentation left to the device as one ``augmentation`` payload
-(:class:`~torchtitan.datasets.augment.DeviceAugmentation`; when it rotates or zooms EM,
+(:class:`~torchtitan.data.sampling.augment.DeviceAugmentation`; when it rotates or zooms EM,
 ``image`` is the box read around the sample, in a buffer of one shape per run). A batch is
 made model inputs in two steps::
 
@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import default_collate
 
 from torchtitan.choices import EM_SCALE
-from torchtitan.datasets.augment import DeviceAugmentation
+from torchtitan.data.sampling.augment import DeviceAugmentation
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from torchtitan.config.manager import Augmentation
-from torchtitan.datasets.resampling import resample
+from torchtitan.data.sampling.resampling import resample
 
 
 @dataclass
@@ -315,7 +315,7 @@ def apply_intensity(image: torch.Tensor, intensity: torch.Tensor,
 @dataclass
 class DeviceAugmentation:
     """The part of one sample's augmentation left to the device: one unit on
-    :class:`~torchtitan.datasets.batch.Sample` (``augmentation``, shapes below) and, stacked
+    :class:`~torchtitan.data.batch.Sample` (``augmentation``, shapes below) and, stacked
     along a new first axis by :meth:`collate`, on the ``Batch``. A field is None when nothing
     of its kind was drawn; a sample with nothing left to the device carries None instead.
 

@@ -51,8 +51,9 @@ from torchtitan.cellmap.ome_ngff import (
     read_multiscales,
     stored_intensity_range,
 )
-from torchtitan.datasets import stores, zarr_chunks
-from torchtitan.datasets.split_lists import SplitEntry, read_split_entries
+from torchtitan.data.io import stores
+from torchtitan.data.io import zarr_chunks
+from torchtitan.data.sources.split_lists import SplitEntry, read_split_entries
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
 EM_GROUP_UINT16 = "recon-1/em/fibsem-uint16"  # used when a store has no uint8 EM
