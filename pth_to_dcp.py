@@ -20,7 +20,7 @@ One file::
 writes ``seeds/dinov3_vitl16_linear/checkpoint/step-0`` and prints the training flags that
 load it. The architecture is built in (``torchtitan/models``), so neither torch hub nor a
 clone of Meta's repository is needed (``--dinov3_repo_path`` is accepted and unused). See
-``torchtitan/convert.py`` for what is done to the weights (channel adaptation, 3D inflation)
+``torchtitan/checkpoint/convert.py`` for what is done to the weights (channel adaptation, 3D inflation)
 and why.
 """
 
@@ -28,7 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan.convert import (
+from torchtitan.checkpoint.convert import (
     ConversionError,
     HubCheckpoint,
     NotABackboneFile,

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from torchtitan.convert import (
+from torchtitan.checkpoint.convert import (
     ConversionError,
     cast_weights,
     read_model_weights,

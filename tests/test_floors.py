@@ -197,7 +197,6 @@ FLOORS = {
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.logging_metrics": 4,
     f"{PACKAGE}.inference": 4,
-    f"{PACKAGE}.convert": 4,  # .pth -> DCP seed checkpoints (beside checkpoint)
     f"{PACKAGE}.trainer": 5,
     f"{PACKAGE}.tasks": 5,
     f"{PACKAGE}.tools": 6,

@@ -294,7 +294,7 @@ def _hub_state_dict(name: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 def test_original_readme_command_converts_a_hub_and_training_starts_from_it(demo_data, tmp_path):
-    from torchtitan.convert import read_model_weights
+    from torchtitan.checkpoint.convert import read_model_weights
 
     hub, dcp_root = tmp_path / "torch_hub", tmp_path / "dcp"
     (hub / "checkpoints").mkdir(parents=True)
@@ -452,7 +452,7 @@ def seeded_run(meta_pth, tmp_path, capsys):
 
 @single_process_dcp
 def test_resume_starts_from_a_seed_in_the_runs_own_folder(seeded_run, caplog):
-    from torchtitan.convert import read_model_weights
+    from torchtitan.checkpoint.convert import read_model_weights
 
     manager, model = _manager(seeded_run)
     head_before = {k: v.clone() for k, v in model.head.state_dict().items()}

@@ -88,7 +88,7 @@ from torchtitan.cellmap.ome_ngff import (
 )
 from torchtitan.checkpoint.reading import complete_steps, load_model_weights, resolve_step_folder
 from torchtitan.config.manager import ConfigManager
-from torchtitan.convert import load_pth_state_dict
+from torchtitan.checkpoint.convert import load_pth_state_dict
 from torchtitan.data.sources.cellmap import (
     DatasetError,
     discover,
