@@ -467,9 +467,11 @@ def test_readme_command(command: Command, help_texts):
 def _repo_names() -> set[str]:
     """Base names of the repository's files (without generated or hidden folders)."""
     names = set()
-    skip = {".git", ".venv", "data", "outputs", "__pycache__", ".pytest_cache"}
+    skip = {".git", ".venv", "__pycache__", ".pytest_cache"}
+    generated = {"data", "outputs"}  # the demo data and runs, at the top of the repository only
     for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in skip]
+        top = Path(root) == REPO
+        dirs[:] = [d for d in dirs if d not in skip and not (top and d in generated)]
         names.update(files)
     return names
 
