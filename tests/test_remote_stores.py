@@ -112,6 +112,86 @@ def _summary(sources):
               for c in s.crops]) for s in sources]
 
 
+# -- 0. the store context -------------------------------------------------------------------------
+
+
+class _ContextProbe:
+    """A map-style dataset reporting what a loader worker finds in the store context its
+    sources read through (module level: a spawned worker unpickles it by name)."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> dict:
+        source = self.sources[0]
+        context = source.stores
+        opened_before = context.open_paths()
+        context.open_array(source.levels[0].path)[0:2, 0:8, 0:8]
+        return {"pid": os.getpid(), "settings": context.settings, "opened_before": opened_before,
+                "cache_pool": context.ts_context()["cache_pool"].to_json(),
+                "one_context": all(x.stores is context for s in self.sources for x in [s, *s.crops])}
+
+
+def test_a_pickled_context_carries_its_settings_only(local_copy):
+    """Sources and crops pickled together (a dataset sent to a worker) share one context
+    again, with the settings of the original and none of its handles."""
+    import pickle
+
+    from torchtitan.datasets import cellmap
+    from torchtitan.datasets.stores import StoreContext, StoreSettings
+
+    context = StoreContext(StoreSettings(cache_bytes=5 << 20, array_handles=9))
+    sources = cellmap.discover(context, local_copy)
+    context.open_array(sources[0].levels[0].path)
+    again = pickle.loads(pickle.dumps(sources))
+    copy = again[0].stores
+    assert copy is not context and copy.settings == context.settings
+    assert copy.open_paths() == [] and context.open_paths() == [sources[0].levels[0].path]
+    assert all(x.stores is copy for s in again for x in [s, *s.crops])
+
+
+def test_a_context_reopens_its_handles_in_another_process(local_copy, monkeypatch):
+    """A forked child inherits its parent's context, but not the use of its handles
+    (TensorStore objects, open files): in another process the context opens its own."""
+    from torchtitan.datasets.stores import StoreContext
+
+    context = StoreContext()
+    path = str(local_copy / EM_S0)
+    first = context.open_array(path)
+    assert context.open_paths() == [path] and context.open_array(path) is first
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)  # what a forked child sees
+    assert context.open_paths() == []
+    assert context.open_array(path) is not first and context.open_paths() == [path]
+
+
+def test_spawned_loader_worker_reads_with_the_parent_settings(http_root):
+    """A spawned loader worker has no set-up step: the context its dataset carries brings the
+    parent's settings (the chunk cache size reaches TensorStore), none of the parent's
+    handles, and stays one context for every source and crop."""
+    from torch.utils.data import DataLoader
+
+    from torchtitan.datasets import cellmap
+    from torchtitan.datasets.stores import StoreContext, StoreSettings
+
+    url, _ = http_root
+    settings = StoreSettings(cache_bytes=3 << 20, array_handles=7)
+    context = StoreContext(settings)
+    sources = cellmap.discover(context, url)
+    context.open_array(sources[0].levels[0].path)  # a handle of the parent's
+    loader = DataLoader(_ContextProbe(sources), batch_size=None, num_workers=1,
+                        multiprocessing_context="spawn")
+    (seen,) = list(loader)
+    assert seen["pid"] != os.getpid()
+    assert seen["settings"] == settings
+    assert seen["cache_pool"] == {"total_bytes_limit": 3 << 20}
+    assert seen["opened_before"] == []
+    assert seen["one_context"]
+
+
 # -- 1. reader level ------------------------------------------------------------------------------
 
 
