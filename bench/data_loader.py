@@ -270,6 +270,9 @@ def run_ours(cfg, samples, args, repeat: int) -> tuple[float, float]:
 _ARRAYS: dict[tuple[str, str], object] = {}
 RAW_KINDS = {"raw": "zarr", "raw[chunks]": "chunks", "raw[ts]": "ts", "raw[ts-http]": "ts-http"}
 _HTTP = {"url": "", "root": "", "pid": 0}  # the local HTTP server of raw[ts-http]
+# The store context of raw[ts] and raw[ts-http] (chunk cache of --ts-cache-mb), made by main;
+# each forked reader opens its own handles under it.
+_TS = {"stores": None}
 
 
 def _array(path: str, kind: str = "zarr"):
@@ -283,12 +286,10 @@ def _array(path: str, kind: str = "zarr"):
             arr = open_fast(path)
             assert arr is not None, f"{path}: not readable by zarr_chunks"
         elif kind in ("ts", "ts-http"):
-            from torchtitan.data.io import stores
-
             where = path
             if kind == "ts-http":
                 where = _HTTP["url"] + "/" + Path(path).relative_to(_HTTP["root"]).as_posix()
-            arr = stores.open_tensorstore(where)
+            arr = _TS["stores"].open_tensorstore(where)
         else:
             import zarr
 
@@ -701,9 +702,9 @@ def main() -> None:
                                                      args.profile + 1, args.seed, args.crop))
         return
 
-    from torchtitan.data.io import stores
+    from torchtitan.data.io.stores import StoreContext, StoreSettings
 
-    stores.configure(stores.StoreSettings(cache_bytes=args.ts_cache_mb << 20))
+    _TS["stores"] = StoreContext(StoreSettings(cache_bytes=args.ts_cache_mb << 20))
     server = None if args.no_http else start_http_server(args.data)
     readers = ["raw", "raw[chunks]", "raw[ts]", *[f"ours[{a}]" for a in augments]]
     if server:

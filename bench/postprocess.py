@@ -36,6 +36,7 @@ import time
 
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources import cellmap
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.postprocess.masks import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
 from torchtitan.scoring.stores import open_submission, prediction_level, read_truth
@@ -110,7 +111,8 @@ def run(args) -> dict:
     root, predicted = open_submission(args.predictions)
     wanted = [c if c.startswith("crop") else f"crop{c}" for c in args.crops.split(",")] \
         if args.crops else predicted
-    truth_crops = {c.name: c for s in cellmap.discover(args.groundtruth) for c in s.crops}
+    stores = StoreContext()  # reads the ground truth and the predictions
+    truth_crops = {c.name: c for s in cellmap.discover(stores, args.groundtruth) for c in s.crops}
     per_crop_class, per_crop, classes = [], [], []
     seconds = {step: 0.0 for step in {**steps, **joint_steps}}
     for name in wanted:
@@ -124,11 +126,12 @@ def run(args) -> dict:
             if not node.exists():
                 continue
             level = prediction_level(node)
-            if cellmap.open_array(level.path).dtype.kind != "f":
+            if stores.open_array(level.path).dtype.kind != "f":
                 raise UserError(f"{node}: holds masks or ids, not probabilities; predict with "
                                 "predict.py --probabilities")
             truth, valid, grid = read_truth(crop, cls)
-            prob, _ = cellmap.read_linear(level, grid.box_min, grid.scale, grid.shape, fill=0)
+            prob, _ = cellmap.read_linear(stores, level, grid.box_min, grid.scale, grid.shape,
+                                          fill=0)
             # One {step: score_crop result} per (crop, class): what combine_steps pools.
             result = {}
             for step, pp in steps.items():

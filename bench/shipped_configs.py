@@ -64,9 +64,10 @@ def annotated_classes(data: Path, classes: list[str]) -> list[str]:
     """Those of ``classes`` that at least one label crop of the dataset folder annotates
     (itself or through all of its parts), in the given order."""
     from torchtitan.data.sources.cellmap import discover
+    from torchtitan.data.io.stores import StoreContext
     from torchtitan.data.sampling.targets import annotates
 
-    crops = [crop for source in discover(str(data)) for crop in source.crops]
+    crops = [crop for source in discover(StoreContext(), str(data)) for crop in source.crops]
     return [c for c in classes if any(annotates(crop, c) for crop in crops)]
 
 

@@ -42,6 +42,7 @@ from torchtitan.choices import EM_SCALE
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.data.sampling.samples import CropReader, crop_grid
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import annotates
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
@@ -103,7 +104,7 @@ def slice_rows(zarr_root: str, crops: list[str], classes: tuple, voxel_size: tup
     """
     from PIL import Image
 
-    sources = load_sources(zarr_root)
+    sources = load_sources(StoreContext(), zarr_root)  # one per generator worker
     classes = list(classes)
     for full_name in crops:
         source, crop = find_crop(sources, full_name)
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     try:
-        pairs = all_crops(load_sources(args.zarr))
+        pairs = all_crops(load_sources(StoreContext(), args.zarr))
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT

@@ -82,10 +82,8 @@ def follow(data: Path, config: str) -> dict[str, list[str]]:
 
     def make_task(cfg):
         task = SegmentationTask(cfg)
-        dataset_type = None
 
         def train_dataset(*a, **k):
-            nonlocal dataset_type
             ds = SegmentationTask.train_dataset(task, *a, **k)
             if not sampled:
                 with recorder.phase("sample"):

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli
 from torchtitan.tools.cli import (
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    sources = load_sources(args.data)
+    sources = load_sources(StoreContext(), args.data)
     names = parse_list(args.crops)
     pairs = all_crops(sources) if names is None else [find_crop(sources, n) for n in names]
     if not pairs:

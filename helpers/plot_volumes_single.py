@@ -20,6 +20,7 @@ import argparse
 import sys
 
 from torchtitan.config.manager import flag_type
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import run_cli
 from torchtitan.tools.cli import add_gif_args, parse_classes, parse_voxel_size, script_parser, write_gif
 from torchtitan.tools.label_crops import (
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    source, crop = find_crop(load_sources(args.zarr), args.crop)
+    source, crop = find_crop(load_sources(StoreContext(), args.zarr), args.crop)
     classes = parse_classes(args.classes, [crop])
     if classes is None:  # what was predicted, else everything the crop annotates
         predicted = prediction_classes(args.predictions, crop) if args.predictions else []

@@ -25,6 +25,7 @@ import zarr
 
 from conftest import REPO, _env, script_module
 from torchtitan.errors import UserError
+from torchtitan.data.io.stores import StoreContext
 
 SEG = "train_segmentation.py"
 MAE = "train_mae.py"
@@ -545,12 +546,10 @@ def call_entry(entry: str, argv: list[str]) -> int:
 def _prediction_store(path: Path, crop, scale_by: float, translation_in_voxels: bool) -> str:
     """Crop ``crop``'s ground truth written as a prediction store (the submission format: arrays
     with voxel_size and translation), its voxel size scaled or its translation in voxels."""
-    from torchtitan.data.sources.cellmap import open_array
-
     root = zarr.open_group(str(path), mode="w", zarr_format=2)
     for cls, levels in crop.classes.items():
         level = levels[0]
-        data = (np.asarray(open_array(level.path)[...]) == 1).astype(np.uint8)
+        data = (np.asarray(crop.stores.open_array(level.path)[...]) == 1).astype(np.uint8)
         arr = root.require_group(crop.name).create_array(cls, data=data, chunks=data.shape)
         scale, translation = np.asarray(level.scale), np.asarray(level.translation)
         arr.attrs["voxel_size"] = (scale * scale_by).tolist()
@@ -584,7 +583,7 @@ def call_ctx(results, tmp_path_factory) -> dict:
             region.create_array("mito", data=np.ones((4, 4, 4), np.uint8))
         else:
             region.create_array("raw", data=np.ones((4, 4, 4), np.uint8))
-    crop = next(c for s in discover(ctx["data"]) for c in s.crops if c.name == "crop1")
+    crop = next(c for s in discover(StoreContext(), ctx["data"]) for c in s.crops if c.name == "crop1")
     pth = tmp / "model.pth"
     assert call_entry("helpers/dcp_to_pth.py", ["--dcp", f"{ctx['run']}/checkpoint",
                                              "--out", str(pth)]) == 0

@@ -21,6 +21,7 @@ from torchtitan.cellmap.labels import LabelEncoding, label_to_ids, label_to_targ
 from torchtitan.cellmap.ome_ngff import read_multiscales, write_multiscale_array_group
 from torchtitan.data.sources.cellmap import EM_GROUP, GT_GROUP, discover
 from torchtitan.data.sampling.samples import SegmentationSamples
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import compose_targets, groups_to_read, read_instance_ids, read_raw
 from torchtitan.tools.label_crops import read_crop_volume
 from torchtitan.scoring.stores import read_truth
@@ -55,7 +56,7 @@ def instance_crop(tmp_path_factory):
     translation = [(c + 0.5) * v for c, v in zip(CROP_CORNER, VOXEL)]
     write_multiscale_array_group(store, f"{GT_GROUP}/crop1/mito", [_instance_labels()], VOXEL,
                                  translation, chunks=(8, 8, 8), extra_attrs=INSTANCE_ENCODING)
-    (source,) = discover(root)
+    (source,) = discover(StoreContext(), root)
     return source, source.crops[0]
 
 

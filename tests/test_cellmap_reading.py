@@ -12,6 +12,7 @@ from torchtitan.data.sources.cellmap import (
     read_linear,
 )
 from torchtitan.data.sampling.samples import SegmentationSamples, crop_grid
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import read_target
 
 
@@ -68,7 +69,7 @@ def store(tmp_path):
 
 
 def test_discovery_reads_levels_and_crops(store):
-    (src,) = discover(store)
+    (src,) = discover(StoreContext(), store)
     assert src.name == "jrc_test-1"
     assert src.levels[0].scale == EM_SCALE and src.levels[0].translation == EM_T
     assert [c.name for c in src.crops] == ["crop7", "crop8"]
@@ -79,11 +80,11 @@ def test_discovery_reads_levels_and_crops(store):
 
 
 def test_em_and_labels_align_in_world_coordinates(store):
-    (src,) = discover(store)
+    (src,) = discover(StoreContext(), store)
     crop = src.crops[0]
     origin, shape = crop_grid(crop, (8.0, 8.0, 8.0))
     assert shape == (10, 20, 30)
-    img, inside = read_linear(src.levels[0], origin, (8.0, 8.0, 8.0), shape)
+    img, inside = read_linear(src.stores, src.levels[0], origin, (8.0, 8.0, 8.0), shape)
     assert inside.all()
     centres_x = origin[2] + (np.arange(shape[2]) + 0.5) * 8.0
     # The training grid (corner at the crop's corner) sits half an EM voxel off the EM grid,
@@ -97,7 +98,7 @@ def test_em_and_labels_align_in_world_coordinates(store):
 
 
 def test_coarser_label_grid_and_padding_outside_crop(store):
-    (src,) = discover(store)
+    (src,) = discover(StoreContext(), store)
     crop = src.crops[1]
     # A box larger than the crop: voxels outside the crop are invalid, inside present.
     origin = crop.box_min - 16.0
@@ -109,7 +110,7 @@ def test_coarser_label_grid_and_padding_outside_crop(store):
 
 
 def test_segmentation_samples_mask_unannotated_classes(store):
-    (src,) = discover(store)
+    (src,) = discover(StoreContext(), store)
     data = SegmentationSamples([src], src.crops, ["mito", "nuc"], (8.0, 8.0, 8.0), (8, 8), seed=0)
     seen_mito = seen_nuc = False
     for g in range(20):
@@ -129,7 +130,7 @@ def test_segmentation_samples_mask_unannotated_classes(store):
 
 def test_missing_path_and_missing_groups(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
-        discover(tmp_path / "nope")
+        discover(StoreContext(), tmp_path / "nope")
     (tmp_path / "ds" / "ds.zarr").mkdir(parents=True)
     with pytest.raises(DatasetError, match="no EM group"):
-        discover(tmp_path)
+        discover(StoreContext(), tmp_path)

@@ -18,7 +18,6 @@ import zarr
 
 from conftest import launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources import cellmap
 from torchtitan.data.sources.cellmap import (
     ChunkReadError,
     DatasetError,
@@ -31,6 +30,7 @@ from torchtitan.data.sampling.loader import (
     load_em_sources,
     load_segmentation_data,
 )
+from torchtitan.data.io.stores import StoreContext, StoreSettings
 from torchtitan.data.io.zarr_chunks import ChunkedArray
 
 EM = "recon-1/em/fibsem-uint8"
@@ -102,7 +102,7 @@ def seg_cfg(data, *extra):
 def test_missing_multiscales(tmp_path):
     store = write_store(tmp_path, metadata=False)
     with pytest.raises(DatasetError) as e:
-        discover(tmp_path)
+        discover(StoreContext(), tmp_path)
     msg = str(e.value)
     assert str(store / EM) in msg and "multiscales" in msg and "add" in msg
 
@@ -110,7 +110,7 @@ def test_missing_multiscales(tmp_path):
 def test_axes_not_zyx(tmp_path):
     store = write_store(tmp_path, axes=("x", "y", "z"))
     with pytest.raises(DatasetError) as e:
-        discover(tmp_path)
+        discover(StoreContext(), tmp_path)
     msg = str(e.value)
     assert str(store / EM) in msg and "('x', 'y', 'z')" in msg and "(z, y, x)" in msg
 
@@ -118,7 +118,7 @@ def test_axes_not_zyx(tmp_path):
 def test_unit_other_than_nanometer(tmp_path):
     store = write_store(tmp_path, unit="micrometer")
     with pytest.raises(DatasetError) as e:
-        discover(tmp_path)
+        discover(StoreContext(), tmp_path)
     msg = str(e.value)
     assert str(store / EM) in msg and "'micrometer'" in msg
     assert "convert" in msg and "'nanometer'" in msg
@@ -144,7 +144,7 @@ def test_crop_outside_its_em_volume(tmp_path):
 def anisotropic(tmp_path):
     """EM levels at (16, 8, 8) and (32, 16, 16) nm, like the demo's jrc_synth-2."""
     write_store(tmp_path, em_scales=((16.0, 8.0, 8.0), (32.0, 16.0, 16.0)))
-    (source,) = discover(tmp_path)
+    (source,) = discover(StoreContext(), tmp_path)
     return source
 
 
@@ -193,10 +193,10 @@ def test_missing_chunk_reads_as_the_fill_value(tmp_path, zarr_format):
     EM, i.e. background), not an error. (For labels 0 means 'absent', so a label array must
     store all chunks of its crop; the CellMap crops do.)"""
     write_store(tmp_path, zarr_format=zarr_format)
-    (source,) = discover(tmp_path)
+    (source,) = discover(StoreContext(), tmp_path)
     level = source.levels[0]
     _chunk_file(Path(level.path)).unlink()
-    img, inside = read_linear(level, (0.0, 0.0, 0.0), (8.0, 8.0, 8.0), (16, 16, 16))
+    img, inside = read_linear(source.stores, level, (0.0, 0.0, 0.0), (8.0, 8.0, 8.0), (16, 16, 16))
     assert inside.all()
     assert (img[:8, :8, :8] == 0).all() and img[8:, 8:, 8:].any()
 
@@ -204,19 +204,18 @@ def test_missing_chunk_reads_as_the_fill_value(tmp_path, zarr_format):
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_corrupt_chunk_raises_chunk_read_error(tmp_path, zarr_format):
     write_store(tmp_path, zarr_format=zarr_format)
-    (source,) = discover(tmp_path)
+    (source,) = discover(StoreContext(), tmp_path)
     level = source.levels[0]
     _chunk_file(Path(level.path)).write_bytes(b"not a compressed chunk at all")
-    cellmap._ARRAY_CACHE.clear()
     with pytest.raises(ChunkReadError) as e:
-        read_linear(level, (0.0, 0.0, 0.0), (8.0, 8.0, 8.0), (4, 4, 4))
+        read_linear(source.stores, level, (0.0, 0.0, 0.0), (8.0, 8.0, 8.0), (4, 4, 4))
     assert isinstance(e.value, DatasetError)
     assert e.value.array_path == level.path
     assert e.value.region == ((0, 0, 0), (4, 4, 4))  # grid-aligned: exactly the box
     msg = str(e.value)
     assert level.path in msg and "[0:4, 0:4, 0:4]" in msg and "re-copy" in msg
     # Another region of the same array, in intact chunks, still reads.
-    read_linear(level, (80.0, 80.0, 80.0), (8.0, 8.0, 8.0), (4, 4, 4))
+    read_linear(source.stores, level, (80.0, 80.0, 80.0), (8.0, 8.0, 8.0), (4, 4, 4))
 
 
 def test_chunk_read_error_survives_pickling():
@@ -229,17 +228,18 @@ def test_chunk_read_error_survives_pickling():
     assert isinstance(ChunkReadError(str(err)), DatasetError)
 
 
-def test_array_handle_cache_is_bounded(tmp_path, monkeypatch):
+def test_array_handle_cache_is_bounded(tmp_path):
     write_store(tmp_path)
-    (source,) = discover(tmp_path)
-    monkeypatch.setattr(cellmap, "ARRAY_CACHE_SIZE", 2)
-    cellmap._ARRAY_CACHE.clear()
+    stores = StoreContext(StoreSettings(array_handles=2))
+    (source,) = discover(stores, tmp_path)
     paths = [source.levels[0].path] + [lv[0].path for lv in source.crops[0].classes.values()]
     for p in paths:
-        arr = cellmap.open_array(p)
+        arr = stores.open_array(p)
         # Read chunk by chunk from the file system: no chunk data is kept between reads.
         assert isinstance(arr, ChunkedArray)
-    assert list(cellmap._ARRAY_CACHE) == paths[-2:]
+    assert stores.open_paths() == paths[-2:]
+    stores.open_array(paths[-2])  # reused: now the most recently used
+    assert stores.open_paths() == [paths[-1], paths[-2]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def test_csv_split_list_in_the_cellmap_data_format(tmp_path):
                      + _csv_row("train", rel, "crop2", ["mito"])
                      + _csv_row("validate", store, "crop3", ["mito", "nuc"])
                      + _csv_row("train", other))  # EM only: for MAE
-    sources = discover(split)
+    sources = discover(StoreContext(), split)
     assert [s.name for s in sources] == ["jrc_t-1", "jrc_t-2"]
     assert sources[0].store == str(store) and sources[1].crops == []
     _, train, val = load_segmentation_data(seg_cfg(split, "--data.val_crops", "crop1"))
@@ -343,7 +343,7 @@ def test_split_list_errors(tmp_path, case, fragments):
         split = tmp_path / "split.txt"
     split.write_text(text)
     with pytest.raises(DatasetError) as e:
-        discover(split)
+        discover(StoreContext(), split)
     for frag in fragments:
         assert frag in str(e.value), str(e.value)
 

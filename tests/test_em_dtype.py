@@ -21,6 +21,7 @@ from torchtitan.data.sources import cellmap
 from torchtitan.data.sources.cellmap import DatasetError
 from torchtitan.data.sampling.loader import build_segmentation_samples, load_segmentation_data
 from torchtitan.data.sampling.samples import normalize_em
+from torchtitan.data.io.stores import StoreContext
 
 EM = "recon-1/em/fibsem-uint8"
 CONFIG = "train_configs/debug_segmentation_2d.toml"
@@ -139,8 +140,9 @@ def test_nan_in_a_sample_read_is_an_error(tmp_path):
         {"path": "s0", "coordinateTransformations": [{"type": "scale", "scale": [8.0, 8.0, 8.0]},
                                                      {"type": "translation",
                                                       "translation": [4.0, 4.0, 4.0]}]}]}]
-    source = cellmap.discover(tmp_path)[0]
+    source = cellmap.discover(StoreContext(), tmp_path)[0]
     cellmap.set_em_ranges([source], [0.0, 1.0])  # the central box is clean
-    img, inside = cellmap.read_linear(source.levels[0], np.zeros(3), (8.0, 8.0, 8.0), (8, 8, 8))
+    img, inside = cellmap.read_linear(source.stores, source.levels[0], np.zeros(3), (8.0, 8.0, 8.0),
+                                      (8, 8, 8))
     with pytest.raises(DatasetError, match=r"one\.zarr/recon-1/em/fibsem-uint8/s0 holds NaN"):
         cellmap.em_to_uint8_scale(img, source, source.levels[0].path, inside)

@@ -9,6 +9,7 @@ import zarr
 from conftest import launch
 from torchtitan.data.sources.cellmap import discover
 from torchtitan.data.sampling.samples import crop_grid
+from torchtitan.data.io.stores import StoreContext
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def test_predict_crops_writes_ome_ngff_with_crop_geometry(trained, demo_data, tm
                               str(demo_data), "--crops", "crop1", "--out", str(out),
                               "--max_block_mb", "0.5", "--no-progress"], nproc=nproc)
     assert r.returncode == 0, r.stderr[-3000:]
-    (crop,) = [c for s in discover(demo_data) for c in s.crops if c.name == "crop1"]
+    (crop,) = [c for s in discover(StoreContext(), demo_data) for c in s.crops if c.name == "crop1"]
     origin, shape = crop_grid(crop, (8.0, 8.0, 8.0))
     root = zarr.open_group(str(out), mode="r")
     for cls in ("nuc", "mito", "er", "cell"):

@@ -106,19 +106,90 @@ def s3_root(local_copy):
     server.stop()
 
 
-def _fresh_reader_state():
-    from torchtitan.data.sources import cellmap
-    from torchtitan.data.io import stores
-
-    cellmap._ARRAY_CACHE.clear()
-    stores._TREES.clear()
-    stores._KVSTORES.clear()
-
-
 def _summary(sources):
     return [(s.name, [lv.shape for lv in s.levels], [lv.scale for lv in s.levels],
              [(c.name, sorted(c.classes), {k: [lv.shape for lv in v] for k, v in c.classes.items()})
               for c in s.crops]) for s in sources]
+
+
+# -- 0. the store context -------------------------------------------------------------------------
+
+
+class _ContextProbe:
+    """A map-style dataset reporting what a loader worker finds in the store context its
+    sources read through (module level: a spawned worker unpickles it by name)."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> dict:
+        source = self.sources[0]
+        context = source.stores
+        opened_before = context.open_paths()
+        context.open_array(source.levels[0].path)[0:2, 0:8, 0:8]
+        return {"pid": os.getpid(), "settings": context.settings, "opened_before": opened_before,
+                "cache_pool": context.ts_context()["cache_pool"].to_json(),
+                "one_context": all(x.stores is context for s in self.sources for x in [s, *s.crops])}
+
+
+def test_a_pickled_context_carries_its_settings_only(local_copy):
+    """Sources and crops pickled together (a dataset sent to a worker) share one context
+    again, with the settings of the original and none of its handles."""
+    import pickle
+
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.io.stores import StoreContext, StoreSettings
+
+    context = StoreContext(StoreSettings(cache_bytes=5 << 20, array_handles=9))
+    sources = cellmap.discover(context, local_copy)
+    context.open_array(sources[0].levels[0].path)
+    again = pickle.loads(pickle.dumps(sources))
+    copy = again[0].stores
+    assert copy is not context and copy.settings == context.settings
+    assert copy.open_paths() == [] and context.open_paths() == [sources[0].levels[0].path]
+    assert all(x.stores is copy for s in again for x in [s, *s.crops])
+
+
+def test_a_context_reopens_its_handles_in_another_process(local_copy, monkeypatch):
+    """A forked child inherits its parent's context, but not the use of its handles
+    (TensorStore objects, open files): in another process the context opens its own."""
+    from torchtitan.data.io.stores import StoreContext
+
+    context = StoreContext()
+    path = str(local_copy / EM_S0)
+    first = context.open_array(path)
+    assert context.open_paths() == [path] and context.open_array(path) is first
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)  # what a forked child sees
+    assert context.open_paths() == []
+    assert context.open_array(path) is not first and context.open_paths() == [path]
+
+
+def test_spawned_loader_worker_reads_with_the_parent_settings(http_root):
+    """A spawned loader worker has no set-up step: the context its dataset carries brings the
+    parent's settings (the chunk cache size reaches TensorStore), none of the parent's
+    handles, and stays one context for every source and crop."""
+    from torch.utils.data import DataLoader
+
+    from torchtitan.data.sources import cellmap
+    from torchtitan.data.io.stores import StoreContext, StoreSettings
+
+    url, _ = http_root
+    settings = StoreSettings(cache_bytes=3 << 20, array_handles=7)
+    context = StoreContext(settings)
+    sources = cellmap.discover(context, url)
+    context.open_array(sources[0].levels[0].path)  # a handle of the parent's
+    loader = DataLoader(_ContextProbe(sources), batch_size=None, num_workers=1,
+                        multiprocessing_context="spawn")
+    (seen,) = list(loader)
+    assert seen["pid"] != os.getpid()
+    assert seen["settings"] == settings
+    assert seen["cache_pool"] == {"total_bytes_limit": 3 << 20}
+    assert seen["opened_before"] == []
+    assert seen["one_context"]
 
 
 # -- 1. reader level ------------------------------------------------------------------------------
@@ -129,19 +200,19 @@ def test_same_boxes_and_layout_from_disk_http_and_s3(local_copy, http_root, s3_r
     from torchtitan.data.io import stores
     from torchtitan.data.io import zarr_chunks
 
-    _fresh_reader_state()
+    context = stores.StoreContext()
     url, _ = http_root
     roots = [str(local_copy), url, f"{s3_root}/data", f"{s3_root}/bare"]
-    found = [_summary(cellmap.discover(r)) for r in roots]
+    found = [_summary(cellmap.discover(context, r)) for r in roots]
     assert found[0] and all(f == found[0] for f in found[1:])
     for rel in (EM_S0, LABEL_S0):
-        local = cellmap.open_array(str(local_copy / rel))
+        local = context.open_array(str(local_copy / rel))
         assert isinstance(local, zarr_chunks.ChunkedArray)  # the local fast path stays
         want = local[...]
         boxes = [tuple(slice(a, a + n) for a, n in zip(o, (3, 37, 45))) for o in
                  ((0, 0, 0), (7, 20, 11), tuple(s - n for s, n in zip(local.shape, (3, 37, 45))))]
         for root in roots[1:3]:
-            remote = cellmap.open_array(stores.join(root, rel))
+            remote = context.open_array(stores.join(root, rel))
             assert isinstance(remote, stores.TensorStoreArray)
             assert (remote.shape, remote.dtype) == (local.shape, local.dtype)
             for box in boxes:
@@ -152,8 +223,9 @@ def test_same_boxes_and_layout_from_disk_http_and_s3(local_copy, http_root, s3_r
 def test_split_list_with_urls(local_copy, http_root, tmp_path):
     """A split list names remote stores and crops (with and without class lists)."""
     from torchtitan.data.sources import cellmap
+    from torchtitan.data.io.stores import StoreContext
 
-    _fresh_reader_state()
+    context = StoreContext()
     url, _ = http_root
     store = f"{url}/jrc_synth-1/jrc_synth-1.zarr"
     csv = tmp_path / "split.csv"
@@ -161,10 +233,10 @@ def test_split_list_with_urls(local_copy, http_root, tmp_path):
         f'"train","{store}","recon-1/em/fibsem-uint8","{store}","recon-1/labels/groundtruth/crop1/[mito,nuc]"\n'
         f'"validate","{store}","recon-1/em/fibsem-uint8","{store}","recon-1/labels/groundtruth/crop3"\n'
     )
-    (source,) = cellmap.discover(csv)
+    (source,) = cellmap.discover(context, csv)
     assert source.name == "jrc_synth-1" and source.store == store
     crops = {c.name: (c.split, sorted(c.classes)) for c in source.crops}
-    (local,) = [s for s in cellmap.discover(local_copy) if s.name == "jrc_synth-1"]
+    (local,) = [s for s in cellmap.discover(context, local_copy) if s.name == "jrc_synth-1"]
     crop3 = next(c for c in local.crops if c.name == "crop3")
     assert crops == {"crop1": ("train", ["mito", "nuc"]), "crop3": ("val", sorted(crop3.classes))}
 
@@ -174,7 +246,6 @@ def test_n5_and_sharded_zarr_read_with_tensorstore(tmp_path):
     import tensorstore as ts
     import zarr
 
-    from torchtitan.data.sources import cellmap
     from torchtitan.data.io import stores
 
     data = np.arange(20 * 30 * 40, dtype=np.uint16).reshape(20, 30, 40)
@@ -186,8 +257,7 @@ def test_n5_and_sharded_zarr_read_with_tensorstore(tmp_path):
     zarr.create_array(str(sharded), shape=data.shape, chunks=(4, 8, 8), shards=(8, 16, 16),
                       dtype="uint16")[...] = data
     for path in (n5, sharded):
-        cellmap._ARRAY_CACHE.clear()
-        arr = cellmap.open_array(str(path))
+        arr = stores.StoreContext().open_array(str(path))
         assert isinstance(arr, stores.TensorStoreArray), path
         np.testing.assert_array_equal(arr[3:17, 5:29, 1:40], data[3:17, 5:29, 1:40])
 
@@ -196,13 +266,12 @@ def test_n5_and_sharded_zarr_read_with_tensorstore(tmp_path):
 
 
 def test_transient_server_errors_are_retried(local_copy, http_root):
-    from torchtitan.data.sources import cellmap
     from torchtitan.data.io import stores
 
-    _fresh_reader_state()
+    context = stores.StoreContext()
     url, server = http_root
-    want = cellmap.open_array(str(local_copy / EM_S0))[...]
-    arr = cellmap.open_array(f"{url}/{EM_S0}")
+    want = context.open_array(str(local_copy / EM_S0))[...]
+    arr = context.open_array(f"{url}/{EM_S0}")
     chunk = f"/{EM_S0}/1.1.1"
     failed, asked = server.failed, server.requests.get(chunk, 0)
     server.failures[chunk] = stores.NETWORK_RETRIES  # fails that often, then serves
@@ -219,15 +288,16 @@ def test_persistent_network_error_is_counted_like_a_corrupt_chunk(local_copy, ht
     sample that needs it is redrawn and counted in ``resampled``."""
     from torchtitan.data.sources import cellmap
     from torchtitan.data.sampling.samples import SegmentationSamples
+    from torchtitan.data.io.stores import StoreContext
 
-    _fresh_reader_state()
+    context = StoreContext()
     url, server = http_root
-    sources = [s for s in cellmap.discover(url) if s.name == "jrc_synth-1"]
+    sources = [s for s in cellmap.discover(context, url) if s.name == "jrc_synth-1"]
     level = sources[0].levels[0]
     server.failures[f"/{EM_S0}/"] = -1  # every EM s0 chunk of jrc_synth-1
     try:
         with pytest.raises(cellmap.ChunkReadError, match=EM_S0):
-            cellmap._read_region(level, [0, 0, 0], [1, 8, 8], 0)
+            cellmap._read_region(context, level, [0, 0, 0], [1, 8, 8], 0)
         crops = sources[0].crops
         ds = SegmentationSamples(sources, crops, ["mito"], [8.0, 8.0, 8.0], [32, 32], seed=0,
                                  augment=False, max_resample=3)
@@ -247,17 +317,17 @@ def test_persistent_network_error_is_counted_like_a_corrupt_chunk(local_copy, ht
 
 def test_unreachable_or_misspelled_url_is_named(http_root, s3_root):
     from torchtitan.data.sources import cellmap
+    from torchtitan.data.io.stores import StoreContext
 
-    _fresh_reader_state()
     url, _ = http_root
     closed = f"http://127.0.0.1:{_free_port()}/data"
     with pytest.raises(cellmap.DatasetError, match=f"cannot read {closed}"):
-        cellmap.discover(closed)
+        cellmap.discover(StoreContext(), closed)
     for wrong in (f"{url}/no_such_folder", f"{s3_root}/no_such_prefix"):
         with pytest.raises(cellmap.DatasetError, match=f"data.dataset_path '{wrong}' does not exist"):
-            cellmap.discover(wrong)
+            cellmap.discover(StoreContext(), wrong)
     with pytest.raises(cellmap.DatasetError, match="unsupported URL"):
-        cellmap.discover("ftp://example.org/data")
+        cellmap.discover(StoreContext(), "ftp://example.org/data")
 
 
 # -- 2. training from remote stores --------------------------------------------------------------

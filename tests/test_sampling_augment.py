@@ -27,6 +27,7 @@ from torchtitan.data.sampling.augment import Augmenter
 from torchtitan.data.batch import Batch, Sample, collate
 from torchtitan.data.sampling.mae_samples import MAESamples
 from torchtitan.data.sampling.samples import SegmentationSamples, samples_kwargs
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import annotates, read_instance_ids, read_target, target_groups
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
@@ -143,7 +144,7 @@ def nested(tmp_path):
     ids[:, 10:12, 10:12] = 7
     ids[0] = 255
     write_labels(store, "crop3", {"mito": ids}, (8, 8, 8))
-    (src,) = discover(tmp_path)
+    (src,) = discover(StoreContext(), tmp_path)
     return src, {"mem": mem, "lum": lum, "ribo": ribo, "ids": ids}
 
 
@@ -217,7 +218,7 @@ def rare(tmp_path):
     parts = {"mito_mem": mito & ~ndi.binary_erosion(mito), "mito_lum": ndi.binary_erosion(mito),
              "mito_ribo": np.zeros(shape, bool)}
     write_labels(store, "crop2", parts, (8, 8, 8), chunks=64)
-    return discover(tmp_path)
+    return discover(StoreContext(), tmp_path)
 
 
 def _presence(ds, n: int) -> np.ndarray:
@@ -270,7 +271,7 @@ def em_labels(tmp_path):
     lo, hi = (4, 8, 8), (36, 64, 64)
     fg = em[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]] > 125
     write_labels(store, "crop1", {"mito": fg}, (8, 8, 8), corner_voxel=lo)
-    return discover(tmp_path)
+    return discover(StoreContext(), tmp_path)
 
 
 EM_MIDPOINT = 125 / 127.5 - 1  # normalised grey level between the two block values
@@ -325,7 +326,7 @@ def test_anisotropic_rotation_about_z_keeps_alignment(tmp_path, where):
     em = blocky_em(shape, seed=3)
     store = make_store(tmp_path, em, scale=(16, 8, 8))
     write_labels(store, "crop1", {"mito": em > 125}, (16, 8, 8))
-    (src,) = discover(tmp_path)
+    (src,) = discover(StoreContext(), tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (16, 8, 8), (6, 24, 24), seed=0,
                              augmentation=Augmentation(rot90=True, rotate_deg=90, scale=0.2,
                                                         resample_on=where))
@@ -343,7 +344,7 @@ def test_rotation_on_the_device_or_in_the_workers_gives_the_same_inputs(tmp_path
     em = smooth_em((32, 64, 64))
     store = make_store(tmp_path, em, scale=vox)
     write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, vox)
-    (src,) = discover(tmp_path)
+    (src,) = discover(StoreContext(), tmp_path)
     made = {}
     for where in ("workers", "device"):
         aug = Augmentation(rot90=True, rotate_deg=180, scale=0.2, gamma=0.2, blur_sigma=1.0,
@@ -414,7 +415,7 @@ def test_zyx_planes_cut_every_orientation(tmp_path):
     z = np.arange(32)[:, None, None]
     store = make_store(tmp_path, np.broadcast_to(z * 7, (32, 40, 40)))  # EM varies along z only
     write_labels(store, "crop1", {"mito": np.ones((32, 40, 40))}, (8, 8, 8))
-    (src,) = discover(tmp_path)
+    (src,) = discover(StoreContext(), tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0,
                              augmentation=Augmentation(flips=False), planes="zyx")
     flat = 0
@@ -454,7 +455,7 @@ def test_min_label_fraction_lets_samples_leave_the_crop(tmp_path):
                  corner_voxel=(4, 32, 32))
     write_labels(store, "crop2", {"mito": np.zeros((8, 16, 32))}, (8, 8, 8),
                  corner_voxel=(4, 8, 60))
-    src, = discover(tmp_path)
+    src, = discover(StoreContext(), tmp_path)
     crop1, crop2 = src.crops
     fractions = []
     ds = SegmentationSamples([src], [crop1], ["mito"], (8, 8, 8), (24, 24), 0,
@@ -477,7 +478,7 @@ def test_mae_foreground_threshold(tmp_path, rotate):
     em = np.zeros((16, 64, 64), np.uint8)
     em[:, :, 28 if rotate else 40:] = 150  # 9/16 or 3/8 of the volume is non-zero
     make_store(tmp_path, em)
-    sources = discover(tmp_path)
+    sources = discover(StoreContext(), tmp_path)
     aug = Augmentation(rotate_deg=180 if rotate else 0, scale=0.2 if rotate else 0,
                         resample_on="device")
     plain = MAESamples(sources, (8, 8, 8), (16, 16), seed=0, augmentation=aug)
@@ -505,7 +506,7 @@ def test_corrupt_chunk_is_replaced_and_counted(tmp_path, caplog, what):
     bad = store / (EM_GROUP if what == "em" else f"{GT}/crop1/mito") / "s0" / "0.0.0"
     assert bad.is_file()
     _corrupt(bad)
-    (src,) = discover(tmp_path)
+    (src,) = discover(StoreContext(), tmp_path)
     ds = SegmentationSamples([src], src.crops, ["mito"], (8, 8, 8), (16, 16), seed=0)
     caplog.set_level(logging.WARNING)
     resampled = [ds[g].resampled for g in range(40)]
@@ -575,7 +576,7 @@ def test_uint8_samples_become_the_same_float_inputs(tmp_path, ndim, rotate):
     zoomed or not."""
     store = make_store(tmp_path, smooth_em((32, 64, 64)))
     write_labels(store, "crop1", {"mito": smooth_em((32, 64, 64), seed=1) > 128}, (8, 8, 8))
-    (src,) = discover(tmp_path)
+    (src,) = discover(StoreContext(), tmp_path)
     crop_size = (16, 16) if ndim == 2 else (8, 16, 16)
     aug = Augmentation(rot90=True, contrast=0.2, gamma=0.2, noise_std=0.05, blur_sigma=1.0,
                         rotate_deg=30 if rotate else 0, scale=0.2 if rotate else 0,

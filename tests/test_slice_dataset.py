@@ -30,6 +30,7 @@ from torchtitan.data.slices.samples import (  # noqa: E402
     load_slice_data,
 )
 from torchtitan.data.slices.original import CellMapIdLabels  # noqa: E402
+from torchtitan.data.io.stores import StoreContext  # noqa: E402
 from torchtitan.data.sampling.targets import annotates  # noqa: E402
 from torchtitan.data.sources.volume_source import CellMapSource, SliceSource, build_source  # noqa: E402
 
@@ -66,7 +67,7 @@ def _cfg(*overrides):
 
 
 def _zarr_crop(demo_data, dataset: str, crop: str):
-    (source,) = [s for s in discover(demo_data) if s.name == dataset]
+    (source,) = [s for s in discover(StoreContext(), demo_data) if s.name == dataset]
     (label_crop,) = [c for c in source.crops if c.name == crop]
     return source, label_crop
 
@@ -81,7 +82,7 @@ def test_dataset_has_one_row_per_plane_with_its_metadata(slices, demo_data):
     assert ds.column_names[:3] == ["image", "label_nuc", "valid_nuc"]
     assert {f"label_{c}" for c in CLASSES} | {f"valid_{c}" for c in CLASSES} <= set(ds.column_names)
     meta = ds.select_columns(["dataset", "crop", "axis", "index", "shape", "voxel_size"]).to_dict()
-    crops = [c for s in discover(demo_data) for c in s.crops]
+    crops = [c for s in discover(StoreContext(), demo_data) for c in s.crops]
     expected = 0
     for c in crops:
         _, shape = crop_grid(c, [8.0, 8.0, 8.0])

@@ -14,6 +14,7 @@ from PIL import Image
 
 from conftest import script_module
 from torchtitan.tools.demo_data import generate_demo_data
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.tools.drawing import (
     CLASS_COLORS,
     GAP,
@@ -324,7 +325,7 @@ def _write_predictions(demo_root: Path, out: Path, crop_name: str, classes: list
     """A prediction zarr in the submission layout: the crop's ground truth, shifted in x."""
     from torchtitan.data.sources.cellmap import discover
 
-    crop = next(c for s in discover(demo_root) for c in s.crops if c.name == crop_name)
+    crop = next(c for s in discover(StoreContext(), demo_root) for c in s.crops if c.name == crop_name)
     root = zarr.open_group(str(out), mode="w", zarr_format=2)
     for cls in classes:
         level = crop.classes[cls][0]

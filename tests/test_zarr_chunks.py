@@ -13,8 +13,7 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
-from torchtitan.data.sources import cellmap
-from torchtitan.data.io.stores import TensorStoreArray
+from torchtitan.data.io.stores import StoreContext, TensorStoreArray
 from torchtitan.data.io.zarr_chunks import ChunkedArray, open_fast
 
 SHAPE = (21, 34, 19)  # not a multiple of the chunks: edge chunks are partial
@@ -139,9 +138,8 @@ def test_layouts_left_to_tensorstore(tmp_path):
         arr = zarr.create_array(path, shape=SHAPE, chunks=CHUNKS, dtype="uint8", zarr_format=3, **kw)
         arr[...] = _data("u1")
         assert open_fast(path) is None, name
-        # ... and cellmap.open_array reads them with TensorStore.
-        cellmap._ARRAY_CACHE.clear()
-        arr = cellmap.open_array(path)
+        # ... and a store context opens them with TensorStore.
+        arr = StoreContext().open_array(path)
         assert isinstance(arr, TensorStoreArray), name
         np.testing.assert_array_equal(arr[2:9, 3:20, 0:19], _data("u1")[2:9, 3:20, 0:19])
     assert open_fast(tmp_path / "missing.zarr") is None

@@ -32,8 +32,9 @@ UNIT = "nanometer"
 
 
 # A metadata reader: the parsed JSON document at a location (local path or URL), None when
-# absent. The default reads local files; ``torchtitan.data.io.stores.read_json`` also reads
-# remote stores (S3, GCS, HTTP), so the functions below work on either.
+# absent. The default reads local files; ``read_json`` of a ``torchtitan.data.io.stores.
+# StoreContext`` also reads remote stores (S3, GCS, HTTP), so the functions below work on
+# either.
 JsonReader = Callable[[str], "dict | None"]
 
 

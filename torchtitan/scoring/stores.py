@@ -83,6 +83,7 @@ from torchtitan.cellmap.grids import ScaleLevel
 from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to_target
 from torchtitan.cellmap.ome_ngff import read_multiscales
 from torchtitan.data.sources import cellmap
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import (
     THRESHOLD,
@@ -196,32 +197,35 @@ def check_prediction_grid(pred: ScaleLevel, truth: ScaleLevel, warn) -> ScaleLev
     return pred
 
 
-def resample_prediction(level, name: str, origin, voxel_size, shape) -> np.ndarray:
-    """One predicted class on a ground-truth grid (``origin`` = outer corner of voxel 0, nm).
+def resample_prediction(stores: StoreContext, level, name: str, origin, voxel_size,
+                        shape) -> np.ndarray:
+    """One predicted class on a ground-truth grid (``origin`` = outer corner of voxel 0, nm),
+    read through ``stores``.
 
     Instance ids (integer arrays wider than uint8, or with values above 1) are sampled by
     nearest neighbour; for a semantic class they then count as foreground where nonzero.
     Binary masks and probabilities are interpolated linearly and thresholded at 0.5.
     """
-    dtype = cellmap.open_array(level.path).dtype
+    dtype = stores.open_array(level.path).dtype
     if dtype.kind in "iu":
-        nearest = cellmap.read_nearest(level, origin, voxel_size, shape, fill=0)
+        nearest = cellmap.read_nearest(stores, level, origin, voxel_size, shape, fill=0)
         if dtype.itemsize > 1 or (nearest.size and nearest.max() > 1):
             return nearest if name in INSTANCE_CLASSES else nearest > 0
     elif dtype.kind not in "fb":
         raise SubmissionError(f"{level.path}: unsupported dtype {dtype}; use bool, integers or floats")
-    image, _ = cellmap.read_linear(level, origin, voxel_size, shape, fill=0)
+    image, _ = cellmap.read_linear(stores, level, origin, voxel_size, shape, fill=0)
     return image > THRESHOLD
 
 
 def read_truth(crop, name: str):
-    """Ground truth of one class of a crop on its own s0 grid: (truth, valid, level).
+    """Ground truth of one class of a crop on its own s0 grid: (truth, valid, level), read
+    through the crop's store context.
 
     ``truth`` is a boolean mask, or instance ids for an instance class stored with ids; what
     the stored values mean is ``torchtitan.cellmap.labels``' rule (unknown voxels invalid).
     """
     level = crop.classes[name][0]
-    raw = np.asarray(cellmap.open_array(level.path)[...])
+    raw = np.asarray(crop.stores.open_array(level.path)[...])
     encoding = crop.encoding_of(name)
     foreground, valid = label_to_target(raw, encoding)
     if name in INSTANCE_CLASSES and holds_instance_ids(raw, encoding):
@@ -357,9 +361,9 @@ def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VE
     return {"classes": classes, "overall": overall}
 
 
-def _truth_crops(groundtruth) -> dict:
+def _truth_crops(stores: StoreContext, groundtruth) -> dict:
     out = {}
-    for source in cellmap.discover(groundtruth):
+    for source in cellmap.discover(stores, groundtruth):
         for crop in source.crops:
             if crop.name in out:
                 raise SubmissionError(
@@ -385,7 +389,8 @@ def score_submission(predictions, groundtruth, crops=None, classes=None, warn=No
                               f"{sorted(METRIC_VERSIONS)}")
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     root, predicted_crops = open_submission(predictions)
-    truth_crops = _truth_crops(groundtruth)
+    stores = StoreContext()  # reads the ground truth and the predictions
+    truth_crops = _truth_crops(stores, groundtruth)
     if crops:
         names = [_crop_name(str(c)) for c in crops]
         unknown = [n for n in names if n not in truth_crops]
@@ -424,7 +429,8 @@ def score_submission(predictions, groundtruth, crops=None, classes=None, warn=No
             pred = None
             if node.exists():
                 plevel = check_prediction_grid(prediction_level(node), level, warn)
-                pred = resample_prediction(plevel, cls, level.box_min, level.scale, level.shape)
+                pred = resample_prediction(stores, plevel, cls, level.box_min, level.scale,
+                                           level.shape)
             entry = score_label(pred, truth, valid, level.scale, cls, metric_version)
             entry["voxel_size"] = list(level.scale)
             result["classes"][cls] = entry

@@ -44,6 +44,7 @@ from torchtitan.checkpoint.reading import STEP_RE, resolve_step_folder
 from torchtitan.config.parsing import config_to_dict, config_to_toml
 from torchtitan.data.sources.cellmap import discover, em_to_uint8_scale, read_linear, set_em_ranges
 from torchtitan.data.sampling.samples import crop_grid, grid_shape, normalize_em
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.tools import exported
 from torchtitan.tools.exported import ExportError
@@ -139,7 +140,7 @@ def _window_origin(crop_origin, crop_shape, window, voxel) -> np.ndarray:
 def test_sample(cfg) -> TestSample:
     """The centre window of the first validation crop (else the first label crop) of the
     training data, as stored and as the network's input."""
-    sources = discover(cfg.data.dataset_path)
+    sources = discover(StoreContext.from_config(cfg), cfg.data.dataset_path)
     set_em_ranges(sources, cfg.data.em_range)
     crops = [(s, c) for s in sources for c in s.crops]
     if not crops:
@@ -153,7 +154,7 @@ def test_sample(cfg) -> TestSample:
     origin, shape = crop_grid(crop, voxel)
     start = _window_origin(origin, shape, window, voxel)
     level = source.levels[closest_level(source.levels, voxel)]
-    raw, inside = read_linear(level, start, voxel, window)
+    raw, inside = read_linear(source.stores, level, start, voxel, window)
     if not inside.all():
         raise ExportError(f"the test window of {crop.full_name} leaves its EM volume; the crop "
                           "lies at the volume's edge: choose another with --data.val_crops")

@@ -23,26 +23,28 @@ from torchtitan.data.sources.cellmap import (
     read_nearest,
 )
 from torchtitan.data.sampling.samples import crop_grid
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import annotates, read_target
 from torchtitan.scoring.stores import prediction_level
 from torchtitan.tools.drawing import CLASS_COLORS
 
 
-def load_sources(path) -> list[EMSource]:
-    """The datasets at ``path``: a folder of ``<ds>/<ds>.zarr`` stores, or one store."""
+def load_sources(stores: StoreContext, path) -> list[EMSource]:
+    """The datasets at ``path``: a folder of ``<ds>/<ds>.zarr`` stores, or one store; they
+    read through ``stores``."""
     path = Path(path)
     if not (path / EM_GROUP).is_dir():
-        return discover(path)
+        return discover(stores, path)
     levels = read_multiscales(path / EM_GROUP)
     name = path.name[: -len(".zarr")] if path.name.endswith(".zarr") else path.name
     crops = []
     gt = path / GT_GROUP
     if gt.is_dir():
         for crop_dir in sorted(p for p in gt.iterdir() if p.is_dir()):
-            crop = read_crop(crop_dir, name)
+            crop = read_crop(stores, crop_dir, name)
             if crop is not None:
                 crops.append(crop)
-    return [EMSource(name, str(path), levels, crops)]
+    return [EMSource(name, str(path), levels, crops, stores=stores)]
 
 
 def all_crops(sources: list[EMSource]) -> list[tuple[EMSource, LabelCrop]]:
@@ -90,7 +92,7 @@ def read_crop_volume(source: EMSource, crop: LabelCrop, classes: list[str], voxe
     voxel_size = np.asarray(voxel_size if voxel_size is not None else source.levels[0].scale, float)
     origin, shape = crop_grid(crop, voxel_size)
     level = source.levels[closest_level(source.levels, voxel_size)]
-    em, _ = read_linear(level, origin, voxel_size, shape)
+    em, _ = read_linear(source.stores, level, origin, voxel_size, shape)
     truth = np.zeros((len(classes), *shape), bool)
     valid = np.zeros_like(truth)
     for k, cls in enumerate(classes):
@@ -102,7 +104,8 @@ def read_crop_volume(source: EMSource, crop: LabelCrop, classes: list[str], voxe
 
 def read_prediction(pred_root, crop: LabelCrop, classes: list[str], origin, voxel_size, shape) -> np.ndarray:
     """(K, D, H, W) bool predictions of ``crop`` from a submission-layout zarr, resampled
-    (nearest) onto the crop's grid. A class without a prediction array is all False."""
+    (nearest) onto the crop's grid, read through the crop's store context (one chunk cache).
+    A class without a prediction array is all False."""
     crop_dir = Path(pred_root) / crop.name
     if not crop_dir.is_dir():
         raise DatasetError(f"{pred_root}: no predictions for {crop.name} (expected {crop_dir})")
@@ -113,7 +116,8 @@ def read_prediction(pred_root, crop: LabelCrop, classes: list[str], origin, voxe
             print(f"note: no prediction for class {cls!r} in {crop_dir}")
             continue
         level = prediction_level(path)
-        pred[k] = read_nearest(level, origin, voxel_size, shape, fill=0).astype(np.float32) > 0.5
+        values = read_nearest(crop.stores, level, origin, voxel_size, shape, fill=0)
+        pred[k] = values.astype(np.float32) > 0.5
     return pred
 
 

@@ -97,6 +97,7 @@ from torchtitan.data.sources.cellmap import (
     set_em_ranges,
 )
 from torchtitan.data.sampling.samples import normalize_em
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import CheckpointError, ConfigError
 from torchtitan.inference import (
     VolumePredictor,
@@ -248,7 +249,7 @@ def predict_regions(args) -> list[str]:
     if args.data:
         cfg.data.dataset_path = args.data
     settings = inference_options(cfg, args)
-    sources = discover(cfg.data.dataset_path)
+    sources = discover(StoreContext.from_config(cfg), cfg.data.dataset_path)
     set_em_ranges(sources, cfg.data.em_range)
     requested = requested_regions(args, sources, cfg.data.voxel_size)
     check_outputs(args, [r.name for r in requested])
@@ -544,7 +545,8 @@ def region_reader(region: Region):
 
     def read_input(lo, hi):
         origin = region.origin + np.asarray(lo) * v
-        img, inside = read_linear(level, origin, v, tuple(h - l for l, h in zip(lo, hi)))
+        shape = tuple(h - l for l, h in zip(lo, hi))
+        img, inside = read_linear(region.source.stores, level, origin, v, shape)
         img = normalize_em(em_to_uint8_scale(img, region.source, level.path, inside))
         img[~inside] = 0.0
         return torch.from_numpy(img)[None]

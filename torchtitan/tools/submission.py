@@ -46,6 +46,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import Grid
 from torchtitan.cellmap.ome_ngff import VIEW_CHUNKS, read_attrs, read_multiscales
 from torchtitan.data.sources.cellmap import discover
+from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import label_instances
 from torchtitan.scoring.stores import prediction_level, resample_prediction
@@ -61,7 +62,7 @@ def crops_from_groundtruth(groundtruth, crops=None) -> dict[str, ChallengeCrop]:
     every CellMap class each crop annotates, on the grid of its level ``s0``."""
     wanted = {crop_name(c) for c in crops} if crops else None
     out = {}
-    for source in discover(groundtruth):
+    for source in discover(StoreContext(), groundtruth):
         for crop in source.crops:
             if wanted is not None and crop.name not in wanted:
                 continue
@@ -101,6 +102,7 @@ def write_submission(predictions, out, crops: dict[str, ChallengeCrop], zip_it: 
     import zarr
 
     pred_root = Path(predictions)
+    stores = StoreContext()  # reads the predictions
     root = zarr.open_group(str(out), mode="w", zarr_format=2)
     root.attrs[SUBMISSION_ATTR] = True  # predict.py replaces only stores that carry it
     notes = []
@@ -112,7 +114,7 @@ def write_submission(predictions, out, crops: dict[str, ChallengeCrop], zip_it: 
                 notes.append(f"{name}/{cls}: not predicted (the model has no such class)")
                 continue
             level = prediction_level(node)
-            data = resample_prediction(level, cls, grid.box_min, grid.scale, grid.shape)
+            data = resample_prediction(stores, level, cls, grid.box_min, grid.scale, grid.shape)
             if cls in INSTANCE_CLASSES:
                 data = data if data.dtype.kind in "iu" and data.dtype != np.uint8 else label_instances(data)[0]
                 data = np.asarray(data, dtype=np.uint32)

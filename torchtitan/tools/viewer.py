@@ -26,6 +26,7 @@ import numpy as np
 from torchtitan.cellmap.challenge import ALL_LABELS_GROUP
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.data.sources.cellmap import EM_GROUP, discover
+from torchtitan.data.io.stores import StoreContext
 
 NEUROGLANCER = "https://neuroglancer-demo.appspot.com/"
 
@@ -41,7 +42,7 @@ def _url(path: Path, serve_root: Path, url_base: str) -> str:
 def find_crop(data, crop: str):
     """(source, crop) of ``crop`` (``crop3`` or ``dataset/crop3``) under ``data``."""
     dataset, _, name = crop.rpartition("/")
-    for source in discover(data):
+    for source in discover(StoreContext(), data):
         for c in source.crops:
             if c.name == name and dataset in ("", source.name):
                 return source, c

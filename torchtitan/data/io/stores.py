@@ -1,14 +1,25 @@
 """Where zarr data is read from: local folders and remote stores (S3, GCS, HTTP), one interface.
 
 A location is a string: a local path, or a URL ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-``http(s)://host/path``. This module joins and splits locations, reads metadata documents,
-lists the sub-folders of a location, and opens arrays that are not read by
-``zarr_chunks.ChunkedArray`` (remote stores, sharded or otherwise unusual zarr, N5) with
-TensorStore. Every array it returns slices like ``ChunkedArray`` (``arr[z0:z1, y0:y1, x0:x1]``,
-``shape``, ``dtype``, ``chunks``), so nothing downstream cares where the bytes come from.
+``http(s)://host/path``. The module functions join and split locations (pure string work). A
+:class:`StoreContext` does the reading: it reads metadata documents, lists the sub-folders of a
+location, and opens arrays, those of the usual local layout with ``zarr_chunks.ChunkedArray``,
+the rest (remote stores, sharded or otherwise unusual zarr, N5) with TensorStore. Every array it
+returns slices like ``ChunkedArray`` (``arr[z0:z1, y0:y1, x0:x1]``, ``shape``, ``dtype``,
+``chunks``), so nothing downstream cares where the bytes come from.
 
-Memory: one TensorStore context per process holds a chunk cache of at most ``data.cache_mb``
-MiB (decoded chunks, shared by every array the process reads); a loader worker builds its own.
+Who makes a context: training makes one from its config (``StoreContext.from_config``, in
+``loader.load_em_sources``); the datasets and label crops discovered with it keep it and read
+through it, so every reader of a run shares one chunk cache. Tools without a training config
+make their own ``StoreContext()``. A context holds its :class:`StoreSettings` and what a
+process opens under them: the TensorStore context (chunk cache, request retries), the
+key-value stores of remote folders, the listings of remote trees and a bounded cache of open
+array handles. Pickled (to a spawned loader worker) it carries its settings only; each
+process opens its own handles (after a fork too: a context checks ``os.getpid()``), so
+loader workers need no set-up of their own.
+
+Memory: a context's TensorStore chunk cache holds at most ``data.cache_mb`` MiB of decoded
+chunks, shared by every array read through it; a loader worker has its own.
 
 Network errors: every request is retried :data:`NETWORK_RETRIES` times with exponential
 backoff (TensorStore's request retries); a read that still fails raises, and the caller
@@ -35,13 +46,14 @@ import json
 import logging
 import os
 import posixpath
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
-from torchtitan.data.io.zarr_chunks import unit_box
+from torchtitan.data.io.zarr_chunks import open_fast, unit_box
 
 logger = logging.getLogger(__name__)
 
@@ -102,60 +114,6 @@ def parent_of(location) -> str:
     return str(Path(location).parent)
 
 
-# ---------------------------------------------------------------------------------------------
-# Settings and the per-process TensorStore context
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """What shapes remote reads: the chunk cache size of each process (bytes)."""
-
-    cache_bytes: int = 256 << 20
-
-
-_SETTINGS = StoreSettings()
-_CONTEXT: tuple[int, StoreSettings, object] | None = None  # (pid, settings, ts.Context)
-_USED_IN: set[int] = set()  # pids that have started TensorStore (no fork() after that)
-
-
-def configure(settings: StoreSettings) -> None:
-    """Use ``settings`` for arrays opened from now on in this process."""
-    global _SETTINGS
-    _SETTINGS = settings
-
-
-def settings() -> StoreSettings:
-    return _SETTINGS
-
-
-def settings_from_config(cfg) -> StoreSettings:
-    """The store settings of a JobConfig (``data.cache_mb``)."""
-    return StoreSettings(cache_bytes=int(cfg.data.cache_mb) << 20)
-
-
-def tensorstore_used() -> bool:
-    """Whether this process has started TensorStore's threads; a forked child would abort, so
-    loader workers must then start with ``spawn``."""
-    return os.getpid() in _USED_IN
-
-
-def _context():
-    """This process's TensorStore context: the chunk cache and the request retries."""
-    global _CONTEXT
-    import tensorstore as ts
-
-    pid = os.getpid()
-    if _CONTEXT is None or _CONTEXT[0] != pid or _CONTEXT[1] != _SETTINGS:
-        retries = {"max_retries": NETWORK_RETRIES + 1, "initial_delay": "0.2s", "max_delay": "2s"}
-        spec = {"cache_pool": {"total_bytes_limit": int(_SETTINGS.cache_bytes)}}
-        for name in ("http_request_retries", "s3_request_retries", "gcs_request_retries"):
-            spec[name] = retries
-        _CONTEXT = (pid, _SETTINGS, ts.Context(spec))
-    _USED_IN.add(pid)
-    return _CONTEXT[2]
-
-
 def _s3_credentials() -> dict:
     """``default`` (environment, profile, ~/.aws) when the environment names credentials,
     else ``anonymous`` (public buckets; no lookup of instance metadata)."""
@@ -192,55 +150,8 @@ def kvstore_spec(location: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading documents and listing folders
+# Listings of remote folders, and the index that stands in for one
 # ---------------------------------------------------------------------------------------------
-
-_KVSTORES: dict[tuple[int, str], object] = {}
-
-
-def _kvstore(folder: str):
-    import tensorstore as ts
-
-    key = (os.getpid(), folder)
-    kv = _KVSTORES.get(key)
-    if kv is None:
-        kv = ts.KvStore.open(kvstore_spec(folder), context=_context()).result()
-        _KVSTORES[key] = kv
-    return kv
-
-
-def read_bytes(location: str) -> bytes | None:
-    """The bytes of the file or object at ``location``; None when it does not exist. A remote
-    location that cannot be reached is a DatasetError naming it."""
-    location = str(location)
-    if not is_url(location):
-        try:
-            return Path(location).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return None
-    try:
-        result = _kvstore(parent_of(location)).read(name_of(location)).result()
-    except Exception as e:  # noqa: BLE001 - TensorStore raises ValueError for every failure
-        raise DatasetError(
-            f"cannot read {location}: {e}. Check the URL, the network and, for S3, the "
-            "AWS_ENDPOINT_URL / AWS_REGION environment (credentials come from AWS_* variables "
-            "or ~/.aws; none: anonymous)"
-        ) from e
-    return bytes(result.value) if result.state == "value" else None
-
-
-def read_json(location: str) -> dict | None:
-    """A JSON metadata document (``.zattrs``, ``zarr.json``, ...); None when absent."""
-    data = read_bytes(location)
-    if data is None:
-        return None
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise DatasetError(f"{location}: not valid JSON ({e}); re-write that metadata file") from e
-
-
-_TREES: dict[str, "_Tree | None"] = {}
 
 
 @dataclass
@@ -268,68 +179,6 @@ def _folders_of(paths) -> set[str]:
             out.add("/".join(parts[:i]))
     out.discard("")
     return out
-
-
-def _index_tree(location: str) -> _Tree | None:
-    """The tree of the nearest index at or above ``location`` (cached per folder)."""
-    scheme, authority, key = _split_url(location)
-    parts = key.split("/") if key else []
-    for n in range(len(parts), -1, -1):
-        folder = f"{scheme}://{authority}" + ("/" + "/".join(parts[:n]) if n else "")
-        if folder not in _TREES:
-            doc = read_json(join(folder, INDEX_NAME))
-            _TREES[folder] = None if doc is None else _Tree(folder, _folders_of(doc.get("folders", [])))
-        if _TREES[folder] is not None:
-            return _TREES[folder]
-    return None
-
-
-def _listed_tree(location: str) -> _Tree:
-    """S3 / GCS: the folders below ``location`` that hold metadata, from a key listing."""
-    if _TREES.get(location) is None:
-        try:
-            keys = _kvstore(location).list().result()
-        except Exception as e:  # noqa: BLE001
-            raise DatasetError(f"cannot list {location}: {e}") from e
-        nodes = [k.decode().rsplit("/", 1)[0] for k in keys
-                 if k.decode().rsplit("/", 1)[-1] in METADATA_FILES and "/" in k.decode()]
-        _TREES[location] = _Tree(location, _folders_of(nodes))
-    return _TREES[location]  # type: ignore[return-value]
-
-
-def list_dirs(location) -> list[str]:
-    """Names of the sub-folders of ``location`` (sorted); [] when it has none."""
-    location = str(location)
-    if not is_url(location):
-        p = Path(location)
-        return sorted(c.name for c in p.iterdir() if c.is_dir()) if p.is_dir() else []
-    tree = _index_tree(location)
-    if tree is None:
-        scheme = _split_url(location)[0]
-        if scheme not in ("s3", "gs"):
-            raise DatasetError(
-                f"{location}: an HTTP location cannot be listed and no {INDEX_NAME} was found "
-                "there or in a folder above it; write one with "
-                "torchtitan.data.io.stores.write_index(<local copy of the root>) before "
-                "uploading, or name the stores and crops with their classes in a split list"
-            )
-        covering = [t for t in _TREES.values() if t is not None and t.root != location
-                    and location.startswith(t.root.rstrip("/") + "/")]
-        tree = covering[0] if covering else _listed_tree(location)
-    return tree.children(location) or []
-
-
-def is_dir(location) -> bool:
-    """Whether ``location`` is a folder (locally) or a zarr node / indexed folder (remote)."""
-    location = str(location)
-    if not is_url(location):
-        return Path(location).is_dir()
-    if any(read_bytes(join(location, m)) is not None for m in (".zattrs", ".zgroup", "zarr.json")):
-        return True
-    tree = _index_tree(location)
-    if tree is not None:
-        return tree.children(location) is not None
-    return False
 
 
 def write_index(root: str | os.PathLike) -> Path:
@@ -361,35 +210,270 @@ def _is_n5_array(folder: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Arrays
+# Settings, and what a process has started
 # ---------------------------------------------------------------------------------------------
 
 
-def array_driver(location: str) -> str | None:
-    """The TensorStore driver of the array at ``location`` from its metadata: ``zarr`` (format
-    2), ``zarr3`` or ``n5``; None when it holds no array metadata."""
-    if read_bytes(join(location, ".zarray")) is not None:
-        return "zarr"
-    meta = read_json(join(location, "zarr.json"))
-    if meta is not None and meta.get("node_type") == "array":
-        return "zarr3"
-    meta = read_json(join(location, "attributes.json"))
-    if meta is not None and "dimensions" in meta:
-        return "n5"
-    return None
+@dataclass(frozen=True)
+class StoreSettings:
+    """What shapes reading: the TensorStore chunk cache of a context (bytes, per process) and
+    how many open array handles it keeps."""
+
+    cache_bytes: int = 256 << 20
+    # A handle holds only metadata (chunk data is cached by TensorStore's cache alone), but a
+    # dataset may have tens of thousands of label arrays, hence the bound.
+    array_handles: int = 256
+
+
+# Process ids that have started TensorStore's threads. A fact of the process, not of one
+# context (any context of the process may have started them), so a module-level set.
+_USED_IN: set[int] = set()
+
+
+def tensorstore_used() -> bool:
+    """Whether this process has started TensorStore's threads; a forked child would abort, so
+    loader workers must then start with ``spawn``."""
+    return os.getpid() in _USED_IN
+
+
+# ---------------------------------------------------------------------------------------------
+# The store context: reading documents, listing folders, opening arrays
+# ---------------------------------------------------------------------------------------------
+
+
+class StoreContext:
+    """The settings of reading and the handles a process opens under them (module docstring).
+
+    Pickling keeps the settings only; the handles belong to the process that opened them and
+    are reopened on demand in another (a spawned or forked loader worker). ``pickle`` keeps
+    shared references shared, so datasets whose sources and crops all hold one context
+    unpickle, in a worker, to one context again: one chunk cache per process.
+    """
+
+    def __init__(self, settings: StoreSettings | None = None):
+        self.settings = settings if settings is not None else StoreSettings()
+        self._trees: dict[str, _Tree | None] = {}  # listings of remote folders (plain data)
+        self._drop_handles()
+
+    @classmethod
+    def from_config(cls, cfg) -> "StoreContext":
+        """The context of a JobConfig: a chunk cache of ``data.cache_mb`` MiB."""
+        return cls(StoreSettings(cache_bytes=int(cfg.data.cache_mb) << 20))
+
+    def __repr__(self) -> str:
+        return f"StoreContext({self.settings})"
+
+    def __getstate__(self) -> dict:
+        return {"settings": self.settings}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["settings"])
+
+    def _drop_handles(self) -> None:
+        self._pid = os.getpid()
+        self._ts_context = None
+        self._kvstores: dict[str, object] = {}
+        # Open arrays by path, least recently used first.
+        self._arrays: OrderedDict[str, object] = OrderedDict()
+
+    def _own_handles(self) -> None:
+        """Forget handles opened by another process: a forked child inherits its parent's
+        context, whose TensorStore objects and file handles it must not use."""
+        if self._pid != os.getpid():
+            self._drop_handles()
+
+    def ts_context(self):
+        """The TensorStore context of this process: the chunk cache and the request retries."""
+        import tensorstore as ts
+
+        self._own_handles()
+        if self._ts_context is None:
+            retries = {"max_retries": NETWORK_RETRIES + 1, "initial_delay": "0.2s",
+                       "max_delay": "2s"}
+            spec = {"cache_pool": {"total_bytes_limit": int(self.settings.cache_bytes)}}
+            for name in ("http_request_retries", "s3_request_retries", "gcs_request_retries"):
+                spec[name] = retries
+            self._ts_context = ts.Context(spec)
+        _USED_IN.add(os.getpid())
+        return self._ts_context
+
+    def _kvstore(self, folder: str):
+        import tensorstore as ts
+
+        context = self.ts_context()
+        kv = self._kvstores.get(folder)
+        if kv is None:
+            kv = ts.KvStore.open(kvstore_spec(folder), context=context).result()
+            self._kvstores[folder] = kv
+        return kv
+
+    def read_bytes(self, location: str) -> bytes | None:
+        """The bytes of the file or object at ``location``; None when it does not exist. A
+        remote location that cannot be reached is a DatasetError naming it."""
+        location = str(location)
+        if not is_url(location):
+            try:
+                return Path(location).read_bytes()
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                return None
+        try:
+            result = self._kvstore(parent_of(location)).read(name_of(location)).result()
+        except Exception as e:  # noqa: BLE001 - TensorStore raises ValueError for every failure
+            raise DatasetError(
+                f"cannot read {location}: {e}. Check the URL, the network and, for S3, the "
+                "AWS_ENDPOINT_URL / AWS_REGION environment (credentials come from AWS_* "
+                "variables or ~/.aws; none: anonymous)"
+            ) from e
+        return bytes(result.value) if result.state == "value" else None
+
+    def read_json(self, location: str) -> dict | None:
+        """A JSON metadata document (``.zattrs``, ``zarr.json``, ...); None when absent."""
+        data = self.read_bytes(location)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise DatasetError(f"{location}: not valid JSON ({e}); re-write that metadata "
+                               "file") from e
+
+    def _index_tree(self, location: str) -> _Tree | None:
+        """The tree of the nearest index at or above ``location`` (kept per folder)."""
+        scheme, authority, key = _split_url(location)
+        parts = key.split("/") if key else []
+        for n in range(len(parts), -1, -1):
+            folder = f"{scheme}://{authority}" + ("/" + "/".join(parts[:n]) if n else "")
+            if folder not in self._trees:
+                doc = self.read_json(join(folder, INDEX_NAME))
+                self._trees[folder] = (None if doc is None else
+                                       _Tree(folder, _folders_of(doc.get("folders", []))))
+            if self._trees[folder] is not None:
+                return self._trees[folder]
+        return None
+
+    def _listed_tree(self, location: str) -> _Tree:
+        """S3 / GCS: the folders below ``location`` that hold metadata, from a key listing."""
+        if self._trees.get(location) is None:
+            try:
+                keys = self._kvstore(location).list().result()
+            except Exception as e:  # noqa: BLE001
+                raise DatasetError(f"cannot list {location}: {e}") from e
+            nodes = [k.decode().rsplit("/", 1)[0] for k in keys
+                     if k.decode().rsplit("/", 1)[-1] in METADATA_FILES and "/" in k.decode()]
+            self._trees[location] = _Tree(location, _folders_of(nodes))
+        return self._trees[location]  # type: ignore[return-value]
+
+    def list_dirs(self, location) -> list[str]:
+        """Names of the sub-folders of ``location`` (sorted); [] when it has none."""
+        location = str(location)
+        if not is_url(location):
+            p = Path(location)
+            return sorted(c.name for c in p.iterdir() if c.is_dir()) if p.is_dir() else []
+        tree = self._index_tree(location)
+        if tree is None:
+            scheme = _split_url(location)[0]
+            if scheme not in ("s3", "gs"):
+                raise DatasetError(
+                    f"{location}: an HTTP location cannot be listed and no {INDEX_NAME} was "
+                    "found there or in a folder above it; write one with "
+                    "torchtitan.data.io.stores.write_index(<local copy of the root>) before "
+                    "uploading, or name the stores and crops with their classes in a split list"
+                )
+            covering = [t for t in self._trees.values() if t is not None and t.root != location
+                        and location.startswith(t.root.rstrip("/") + "/")]
+            tree = covering[0] if covering else self._listed_tree(location)
+        return tree.children(location) or []
+
+    def is_dir(self, location) -> bool:
+        """Whether ``location`` is a folder (locally) or a zarr node / indexed folder (remote)."""
+        location = str(location)
+        if not is_url(location):
+            return Path(location).is_dir()
+        if any(self.read_bytes(join(location, m)) is not None
+               for m in (".zattrs", ".zgroup", "zarr.json")):
+            return True
+        tree = self._index_tree(location)
+        if tree is not None:
+            return tree.children(location) is not None
+        return False
+
+    def array_driver(self, location: str) -> str | None:
+        """The TensorStore driver of the array at ``location`` from its metadata: ``zarr``
+        (format 2), ``zarr3`` or ``n5``; None when it holds no array metadata."""
+        if self.read_bytes(join(location, ".zarray")) is not None:
+            return "zarr"
+        meta = self.read_json(join(location, "zarr.json"))
+        if meta is not None and meta.get("node_type") == "array":
+            return "zarr3"
+        meta = self.read_json(join(location, "attributes.json"))
+        if meta is not None and "dimensions" in meta:
+            return "n5"
+        return None
+
+    def open_tensorstore(self, location: str) -> "TensorStoreArray":
+        """The array at ``location`` (local or URL; zarr 2, zarr 3 with any codecs, N5)."""
+        driver = self.array_driver(location)
+        if driver is None:
+            raise DatasetError(
+                f"{location}: not an array (no .zarray, zarr.json of an array, or N5 "
+                "attributes.json); check the path"
+            )
+        return TensorStoreArray(location, driver, self)
+
+    def open_array(self, path: str):
+        """The zarr array at ``path`` for reading, reusing a handle this process opened
+        recently. Local arrays of the usual layout are read by ``zarr_chunks``, which decodes
+        chunk files directly at the least CPU cost (BENCHMARKS.md, "Which reader"); the rest
+        (remote stores, sharding, checksums, N5, ...) by TensorStore, and by zarr-python a
+        local array TensorStore cannot open."""
+        self._own_handles()
+        path = str(path)
+        arr = self._arrays.get(path)
+        if arr is not None:
+            self._arrays.move_to_end(path)
+            return arr
+        arr = open_fast(path)
+        if arr is None and is_url(path):
+            arr = self.open_tensorstore(path)
+        if arr is None:
+            try:
+                arr = self.open_tensorstore(path)
+            except DatasetError as ts_error:
+                import zarr
+
+                try:
+                    arr = zarr.open_array(path, mode="r")
+                except Exception as e:  # noqa: BLE001 - re-raised with the path
+                    raise DatasetError(f"cannot open zarr array {path}: {e} ({ts_error})") from e
+        self._arrays[path] = arr
+        while len(self._arrays) > self.settings.array_handles:
+            self._arrays.popitem(last=False)
+        return arr
+
+    def open_paths(self) -> list[str]:
+        """The paths of the array handles open in this process, least recently used first."""
+        self._own_handles()
+        return list(self._arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays read with TensorStore
+# ---------------------------------------------------------------------------------------------
 
 
 class TensorStoreArray:
     """An array read with TensorStore, sliced like ``zarr_chunks.ChunkedArray``.
 
-    Reads go through the process's shared chunk cache; a read that fails after the request
-    retries raises (``cellmap._read_region`` makes it a ``ChunkReadError``). The handle is
-    reopened after unpickling (loader workers start with ``spawn``).
+    Reads go through the chunk cache of the context that opened it; a read that fails after
+    the request retries raises (``cellmap._read_region`` makes it a ``ChunkReadError``). The
+    handle is reopened after unpickling (a spawned loader worker), under the unpickled
+    context.
     """
 
-    def __init__(self, path: str, driver: str):
+    def __init__(self, path: str, driver: str, stores: StoreContext):
         self.path = str(path)
         self.driver = driver
+        self.stores = stores
         self._open()
 
     def _open(self) -> None:
@@ -398,7 +482,7 @@ class TensorStoreArray:
         spec = {"driver": self.driver, "kvstore": kvstore_spec(self.path),
                 "recheck_cached_data": "open", "recheck_cached_metadata": "open"}
         try:
-            self._ts = ts.open(spec, read=True, context=_context()).result()
+            self._ts = ts.open(spec, read=True, context=self.stores.ts_context()).result()
         except Exception as e:  # noqa: BLE001 - re-raised with the path
             raise DatasetError(f"cannot open array {self.path} ({self.driver}): {e}") from e
         self.shape = tuple(int(n) for n in self._ts.shape)
@@ -407,7 +491,7 @@ class TensorStoreArray:
         self.chunks = tuple(int(c) for c in self._ts.chunk_layout.read_chunk.shape)
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "driver": self.driver}
+        return {"path": self.path, "driver": self.driver, "stores": self.stores}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -419,14 +503,3 @@ class TensorStoreArray:
     def __getitem__(self, selection) -> np.ndarray:
         box = tuple(slice(a, b) for a, b in unit_box(self.path, self.shape, selection))
         return np.asarray(self._ts[box].read().result())
-
-
-def open_tensorstore(location: str) -> TensorStoreArray:
-    """The array at ``location`` (local or URL; zarr 2, zarr 3 with any codecs, N5)."""
-    driver = array_driver(location)
-    if driver is None:
-        raise DatasetError(
-            f"{location}: not an array (no .zarray, zarr.json of an array, or N5 "
-            "attributes.json); check the path"
-        )
-    return TensorStoreArray(location, driver)

@@ -10,14 +10,11 @@ Items are :class:`~torchtitan.data.batch.Sample` objects, collated into a
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
 from torch.utils.data import DataLoader, Sampler
 
-from torchtitan.data.sources import cellmap
-from torchtitan.data.io import stores
 from torchtitan.data.batch import collate
 from torchtitan.data.sources.cellmap import (
     DatasetError,
@@ -32,6 +29,7 @@ from torchtitan.data.sources.cellmap import (
 from torchtitan.cellmap.classes import check_class_names
 from torchtitan.data.sampling.mae_samples import MAESamples
 from torchtitan.data.sampling.samples import SegmentationSamples, grid_shape, samples_kwargs
+from torchtitan.data.io.stores import StoreContext, tensorstore_used
 from torchtitan.data.sampling.targets import annotates
 
 logger = logging.getLogger(__name__)
@@ -67,14 +65,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return 2**62
 
 
-def _worker_init(store_settings: stores.StoreSettings, worker_id: int) -> None:
-    """Loader workers need no seeding (every sample owns its generator, keyed by its global
-    index); each drops the zarr handles inherited from the parent, to open its own, and reads
-    with the parent's store settings (a spawned worker starts without them)."""
-    cellmap._ARRAY_CACHE.clear()
-    stores.configure(store_settings)
-
-
 def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start_step: int,
                  num_workers: int, pin_memory: bool = False,
                  multiprocessing_context: str | None = None) -> DataLoader:
@@ -86,11 +76,14 @@ def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start
     ``prefetch_factor`` batches each in flight; ``pin_memory`` (set on CUDA; ``Batch.pin_memory``)
     lets the copy to the GPU overlap with compute. Workers start with the platform's default method (fork on
     Linux: 0.2 s, against 3-4 s for forkserver or spawn, which re-import torch); the dataset
-    also pickles, for ``multiprocessing_context="spawn"``.
+    also pickles, for ``multiprocessing_context="spawn"``. Workers need no set-up: every
+    sample owns its generator (keyed by its global index), and the store context the dataset
+    reads through carries its settings into a spawned worker and opens its own handles in
+    each process (``stores.StoreContext``).
     """
     sampler = GlobalBatchSampler(global_batch, dp_rank, dp_degree, start_step)
     workers = num_workers > 0
-    if workers and stores.tensorstore_used() and multiprocessing_context in (None, "fork"):
+    if workers and tensorstore_used() and multiprocessing_context in (None, "fork"):
         # TensorStore's threads do not survive fork(): its children abort.
         logger.info("loader workers start with 'spawn' (TensorStore is in use in this process)")
         multiprocessing_context = "spawn"
@@ -102,7 +95,6 @@ def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start
         pin_memory=pin_memory,
         persistent_workers=workers,
         prefetch_factor=2 if workers else None,
-        worker_init_fn=functools.partial(_worker_init, stores.settings()) if workers else None,
         multiprocessing_context=multiprocessing_context if workers else None,
     )
 
@@ -181,9 +173,9 @@ def _check_class_names(classes: list[str], crops: list[LabelCrop]) -> None:
 
 def load_em_sources(cfg) -> list[EMSource]:
     """The EM volumes of ``data.dataset_path`` (folder or split list), each able to serve
-    ``data.voxel_size``; for tasks that need no labels (MAE)."""
-    stores.configure(stores.settings_from_config(cfg))
-    sources = discover(cfg.data.dataset_path)
+    ``data.voxel_size``; for tasks that need no labels (MAE). They read through one store
+    context made from the config (``data.cache_mb``)."""
+    sources = discover(StoreContext.from_config(cfg), cfg.data.dataset_path)
     for s in sources:
         check_voxel_size(s, cfg.data.voxel_size)
     set_em_ranges(sources, cfg.data.em_range)

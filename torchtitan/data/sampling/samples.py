@@ -189,7 +189,8 @@ def read_em(source: EMSource, voxel_size, origin, shape,
     float32, or with ``raw`` the uint8 values (only exact when the grids coincide, see
     ``SampleDataset._ships_raw_em``)."""
     level = em_level(source, voxel_size)
-    img, inside = read_linear(level, origin, np.asarray(voxel_size, dtype=float), shape)
+    img, inside = read_linear(source.stores, level, origin, np.asarray(voxel_size, dtype=float),
+                              shape)
     img = em_to_uint8_scale(img, source, level.path, inside)
     if raw:
         if img.dtype != np.uint8:

@@ -30,11 +30,12 @@ def unknown_value(crop: LabelCrop, group: str) -> int:
 
 
 def read_raw(crop: LabelCrop, group: str, origin, voxel_size, shape) -> np.ndarray:
-    """Stored values of one class group on the grid; outside the crop (and outside its
-    ``bounds``, when its labels are limited) they read as unknown."""
+    """Stored values of one class group on the grid, read through the crop's store context;
+    outside the crop (and outside its ``bounds``, when its labels are limited) they read as
+    unknown."""
     level = label_level(crop.classes[group], voxel_size)
     unknown = unknown_value(crop, group)
-    values = read_nearest(level, origin, voxel_size, shape, fill=unknown)
+    values = read_nearest(crop.stores, level, origin, voxel_size, shape, fill=unknown)
     if crop.bounds is None:
         return values
     return np.where(_inside(crop.bounds, origin, voxel_size, shape), values, unknown).astype(

@@ -28,15 +28,16 @@ each volume at startup and on every sample read).
 ``data.dataset_path`` is either a folder in the layout above or a split list (CSV or TOML)
 naming EM volumes and crops one by one, each crop marked train or val (``split_lists.py``).
 Folders and the paths in split lists may be URLs (``s3://``, ``gs://``, ``http(s)://``):
-locations are strings handled by ``stores.py``, which also lists remote folders (from an
-index file, see there) and reads remote metadata.
+locations are strings handled by ``stores.py``. Everything here that reads takes the
+:class:`~torchtitan.data.io.stores.StoreContext` to read through (it lists remote folders,
+from an index file, reads metadata and keeps the open arrays), and the datasets and crops
+found keep the context they were discovered with, for every later read.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -51,8 +52,14 @@ from torchtitan.cellmap.ome_ngff import (
     read_multiscales,
     stored_intensity_range,
 )
-from torchtitan.data.io import stores
-from torchtitan.data.io import zarr_chunks
+from torchtitan.data.io.stores import (
+    StoreContext,
+    check_location,
+    is_url,
+    join,
+    name_of,
+    parent_of,
+)
 from torchtitan.data.sources.split_lists import SplitEntry, read_split_entries
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
@@ -97,6 +104,8 @@ class LabelCrop:
     # The part of the crop whose labels are used, (min, max) corners in nm, or None for all of
     # it (see ``label_slab``); labels outside it read as unknown.
     bounds: tuple[np.ndarray, np.ndarray] | None = None
+    # The context the crop was discovered with: its labels are read through it.
+    stores: StoreContext = field(kw_only=True, repr=False, compare=False)
 
     @property
     def full_name(self) -> str:
@@ -143,6 +152,8 @@ class EMSource:
     crops: list[LabelCrop]
     # Intensity range mapped onto 0..255 (see the module doc); None: uint8 EM used as stored.
     em_range: tuple[float, float] | None = None
+    # The context the dataset was discovered with: its EM is read through it.
+    stores: StoreContext = field(kw_only=True, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +161,7 @@ class EMSource:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_crop(crop_path: str | os.PathLike, dataset: str,
+def read_crop(stores: StoreContext, crop_path: str | os.PathLike, dataset: str,
               only: list[str] | None = None) -> LabelCrop | None:
     """One label crop folder (``crop<N>``, local or URL) of ``dataset``: its annotated class
     groups (all, or those named in ``only``: then the crop is not listed), or None when it
@@ -159,7 +170,7 @@ def read_crop(crop_path: str | os.PathLike, dataset: str,
     encoding: dict[str, LabelEncoding] = {}
     names = sorted(only) if only is not None else stores.list_dirs(crop_path)
     for name in names:
-        class_dir = stores.join(crop_path, name)
+        class_dir = join(crop_path, name)
         attrs = read_attrs(class_dir, stores.read_json)
         if not is_multiscale_group(attrs):
             continue  # not a class group
@@ -167,17 +178,18 @@ def read_crop(crop_path: str | os.PathLike, dataset: str,
         encoding[name] = LabelEncoding.from_attrs(attrs)
     if not classes:
         return None
-    return LabelCrop(stores.name_of(crop_path), dataset, classes, encoding)
+    return LabelCrop(name_of(crop_path), dataset, classes, encoding, stores=stores)
 
 
-def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
+def discover(stores: StoreContext, dataset_path: str | os.PathLike) -> list[EMSource]:
     """Find every CellMap-layout dataset (``<ds>/<ds>.zarr``) below ``dataset_path``, or read
-    the datasets and crops a split list (``.csv`` or ``.toml`` file) names."""
+    the datasets and crops a split list (``.csv`` or ``.toml`` file) names; they read through
+    ``stores`` from then on."""
     root = str(dataset_path)
-    stores.check_location(root, "data.dataset_path")
-    if not stores.is_url(root) and Path(root).is_file():
-        return read_split_list(root)
-    if not (stores.list_dirs(root) if stores.is_url(root) else Path(root).is_dir()):
+    check_location(root, "data.dataset_path")
+    if not is_url(root) and Path(root).is_file():
+        return read_split_list(stores, root)
+    if not (stores.list_dirs(root) if is_url(root) else Path(root).is_dir()):
         raise DatasetError(
             f"data.dataset_path {root!r} does not exist or is not a folder; point it at a "
             "folder (or URL) of <dataset>/<dataset>.zarr stores or at a split list (.csv / "
@@ -185,12 +197,12 @@ def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
         )
     sources = []
     for name in stores.list_dirs(root):
-        store = stores.join(root, name, f"{name}.zarr")
+        store = join(root, name, f"{name}.zarr")
         if not stores.is_dir(store):
             continue
-        em_group = stores.join(store, EM_GROUP)
-        if not stores.is_dir(em_group) and stores.is_dir(stores.join(store, EM_GROUP_UINT16)):
-            em_group = stores.join(store, EM_GROUP_UINT16)
+        em_group = join(store, EM_GROUP)
+        if not stores.is_dir(em_group) and stores.is_dir(join(store, EM_GROUP_UINT16)):
+            em_group = join(store, EM_GROUP_UINT16)
         if not stores.is_dir(em_group):
             raise DatasetError(
                 f"{store}: no EM group '{EM_GROUP}'; expected the CellMap layout "
@@ -198,13 +210,13 @@ def discover(dataset_path: str | os.PathLike) -> list[EMSource]:
             )
         levels = read_multiscales(em_group, stores.read_json)
         crops = []
-        gt = stores.join(store, GT_GROUP)
+        gt = join(store, GT_GROUP)
         if stores.is_dir(gt):
             for crop_name in stores.list_dirs(gt):
-                crop = read_crop(stores.join(gt, crop_name), name)
+                crop = read_crop(stores, join(gt, crop_name), name)
                 if crop is not None:
                     crops.append(crop)
-        sources.append(EMSource(name, store, levels, crops))
+        sources.append(EMSource(name, store, levels, crops, stores=stores))
     if not sources:
         raise DatasetError(
             f"data.dataset_path {root!r} holds no <dataset>/<dataset>.zarr store; expected "
@@ -227,13 +239,13 @@ def _zarr_store(path: str) -> str | None:
     return None
 
 
-def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
+def _sources_from_entries(stores: StoreContext, entries: list[SplitEntry]) -> list[EMSource]:
     sources: dict[str, EMSource] = {}
     em_groups: dict[str, str] = {}
     listed: dict[str, SplitEntry] = {}  # crop full name -> the entry that listed it
     for e in entries:
         store = _zarr_store(e.em)
-        name = e.name or (stores.name_of(store)[: -len(".zarr")] if store else None)
+        name = e.name or (name_of(store)[: -len(".zarr")] if store else None)
         if name is None:
             raise DatasetError(
                 f"{e.where}: EM group {e.em} is not inside a .zarr store, so it has no dataset "
@@ -245,7 +257,8 @@ def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
                     f"{e.where}: EM group {e.em} does not exist; fix the path (EM store + group, "
                     f"e.g. <ds>.zarr/{EM_GROUP})"
                 )
-            sources[name] = EMSource(name, store or e.em, read_multiscales(e.em, stores.read_json), [])
+            levels = read_multiscales(e.em, stores.read_json)
+            sources[name] = EMSource(name, store or e.em, levels, [], stores=stores)
             em_groups[name] = e.em
         elif em_groups[name] != e.em:
             raise DatasetError(
@@ -258,14 +271,15 @@ def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
         if not stores.is_dir(e.crop):
             raise DatasetError(f"{e.where}: label crop {e.crop} does not exist; fix the path")
         if e.classes is not None:
-            missing = [c for c in e.classes if not stores.is_dir(stores.join(e.crop, c))]
+            missing = [c for c in e.classes if not stores.is_dir(join(e.crop, c))]
             if missing:
                 present = stores.list_dirs(e.crop)
                 raise DatasetError(
                     f"{e.where}: label crop {e.crop} has no class group {missing} (it has "
                     f"{present}); remove those classes from the list or add their labels"
                 )
-        crop = read_crop(e.crop, name, only=list(e.classes) if e.classes is not None else None)
+        only = list(e.classes) if e.classes is not None else None
+        crop = read_crop(stores, e.crop, name, only=only)
         if crop is None:
             raise DatasetError(
                 f"{e.where}: {e.crop} holds no class group with OME-NGFF multiscales; point "
@@ -283,10 +297,10 @@ def _sources_from_entries(entries: list[SplitEntry]) -> list[EMSource]:
     return list(sources.values())
 
 
-def read_split_list(path: str | os.PathLike) -> list[EMSource]:
-    """The datasets and crops a split list (.csv or .toml, see ``split_lists.py``) names;
-    every crop carries its ``split`` ("train" or "val")."""
-    return _sources_from_entries(read_split_entries(Path(path)))
+def read_split_list(stores: StoreContext, path: str | os.PathLike) -> list[EMSource]:
+    """The datasets and crops a split list (.csv or .toml, see ``split_lists.py``) names,
+    read through ``stores``; every crop carries its ``split`` ("train" or "val")."""
+    return _sources_from_entries(stores, read_split_entries(Path(path)))
 
 
 def check_crop_inside(source: EMSource, crop: LabelCrop) -> None:
@@ -298,7 +312,7 @@ def check_crop_inside(source: EMSource, crop: LabelCrop) -> None:
         raise DatasetError(
             f"{source.store}: label crop {crop.name} spans {crop.box_min.tolist()}..."
             f"{crop.box_max.tolist()} nm, outside its EM volume {em_min.tolist()}..."
-            f"{em_max.tolist()} nm (EM {stores.parent_of(source.levels[0].path)}); check the "
+            f"{em_max.tolist()} nm (EM {parent_of(source.levels[0].path)}); check the "
             f"'translation' and 'scale' of the crop's levels (e.g. {crop.classes[cls][0].path}) "
             "against the EM's: both are in nm and give the centre of voxel 0"
         )
@@ -320,12 +334,12 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
     too_fine = v * MAX_RESAMPLE_FACTOR < finest * (1 - tol)
     too_coarse = v > coarsest * MAX_RESAMPLE_FACTOR * (1 + tol)
     if too_fine.any() or too_coarse.any():
-        levels = ", ".join(f"{stores.name_of(lv.path)}={list(lv.scale)}" for lv in source.levels)
+        levels = ", ".join(f"{name_of(lv.path)}={list(lv.scale)}" for lv in source.levels)
         what = "finer than half the finest" if too_fine.any() else "coarser than twice the coarsest"
         axes = "".join(a for a, bad in zip(AXES, too_fine | too_coarse) if bad)
         raise DatasetError(
             f"{source.store}: data.voxel_size {v.tolist()} nm is {what} EM level on axis "
-            f"{axes} (EM {stores.parent_of(source.levels[0].path)} levels, nm: {levels}); choose "
+            f"{axes} (EM {parent_of(source.levels[0].path)} levels, nm: {levels}); choose "
             f"a data.voxel_size within {MAX_RESAMPLE_FACTOR:g}x of an available level on "
             "every axis"
         )
@@ -335,53 +349,19 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
 # Reading a box of the training grid
 # ---------------------------------------------------------------------------------------------
 
-# Open array handles, per process (each loader worker has its own), least recently used last.
-# A handle holds only metadata (chunks are cached, up to data.cache_mb per process, only by
-# TensorStore's shared cache, see stores.py), but a dataset may have tens of thousands of label
-# arrays, hence the bound. Local arrays of the usual layout are read by zarr_chunks, which
-# decodes chunk files directly at the least CPU cost (BENCHMARKS.md, "Which reader"); the rest
-# (remote stores, sharding, checksums, N5, ...) by TensorStore, and zarr-python for a local
-# array TensorStore cannot open.
-_ARRAY_CACHE: OrderedDict[str, object] = OrderedDict()
-ARRAY_CACHE_SIZE = 256
-
-
-def open_array(path: str):
-    """Open a zarr array for reading, reusing a handle opened recently by this process."""
-    arr = _ARRAY_CACHE.get(path)
-    if arr is not None:
-        _ARRAY_CACHE.move_to_end(path)
-        return arr
-    arr = zarr_chunks.open_fast(path)
-    if arr is None and stores.is_url(path):
-        arr = stores.open_tensorstore(path)
-    if arr is None:
-        try:
-            arr = stores.open_tensorstore(path)
-        except DatasetError as ts_error:
-            import zarr
-
-            try:
-                arr = zarr.open_array(path, mode="r")
-            except Exception as e:  # noqa: BLE001 - re-raised with the path
-                raise DatasetError(f"cannot open zarr array {path}: {e} ({ts_error})") from e
-    _ARRAY_CACHE[path] = arr
-    while len(_ARRAY_CACHE) > ARRAY_CACHE_SIZE:
-        _ARRAY_CACHE.popitem(last=False)
-    return arr
-
-
-def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.ndarray:
-    """Read index box [lo, hi) of a level; parts outside the array are ``fill``.
+def _read_region(stores: StoreContext, level: ScaleLevel, lo: list[int], hi: list[int],
+                 fill) -> np.ndarray:
+    """Read index box [lo, hi) of a level through ``stores``; parts outside the array are
+    ``fill``.
 
     A chunk missing on disk reads as the array's fill value (zarr's sparse storage; for EM
     the fill value is usually 0 = background). A chunk that exists but cannot be decoded
     raises :class:`ChunkReadError`, which the sample builders catch to draw another sample.
     """
     try:
-        arr = open_array(level.path)
+        arr = stores.open_array(level.path)
     except DatasetError as e:
-        if not stores.is_url(level.path):
+        if not is_url(level.path):
             raise
         raise ChunkReadError(level.path, list(lo), list(hi), e) from e  # the network, mid-run
     if all(0 <= l and h <= n for l, h, n in zip(lo, hi, level.shape)):  # inside: no padding
@@ -406,15 +386,17 @@ def _read_region(level: ScaleLevel, lo: list[int], hi: list[int], fill) -> np.nd
     return out
 
 
-def read_nearest(level: ScaleLevel, origin, voxel_size, shape, fill) -> np.ndarray:
-    """Sample ``level`` at the training grid by nearest neighbour (labels)."""
+def read_nearest(stores: StoreContext, level: ScaleLevel, origin, voxel_size, shape,
+                 fill) -> np.ndarray:
+    """Sample ``level`` at the training grid by nearest neighbour (labels), read through
+    ``stores``."""
     pos = voxel_positions(level, origin, voxel_size, shape)
     # Indices outside the array read the fill value; clipped to one voxel beyond each side, so
     # that a grid far larger than the array (e.g. a voxel size in um, not nm) reads no more.
     idx = [np.clip(np.floor(p + 0.5).astype(np.int64), -1, n) for p, n in zip(pos, level.shape)]
     lo = [int(i.min()) for i in idx]
     hi = [int(i.max()) + 1 for i in idx]
-    region = _read_region(level, lo, hi, fill)
+    region = _read_region(stores, level, lo, hi, fill)
     if all(_consecutive(i) for i in idx):  # the grids coincide: the region is the answer
         return region
     local = [i - l for i, l in zip(idx, lo)]
@@ -426,8 +408,10 @@ def _consecutive(idx: np.ndarray) -> bool:
     return len(idx) < 2 or bool(np.all(np.diff(idx) == 1))
 
 
-def read_linear(level: ScaleLevel, origin, voxel_size, shape, fill=0) -> tuple[np.ndarray, np.ndarray]:
-    """Sample ``level`` at the training grid by separable linear interpolation (EM).
+def read_linear(stores: StoreContext, level: ScaleLevel, origin, voxel_size, shape,
+                fill=0) -> tuple[np.ndarray, np.ndarray]:
+    """Sample ``level`` at the training grid by separable linear interpolation (EM), read
+    through ``stores``.
 
     Returns the image and a boolean mask of the voxels that lie inside the array. When the
     grids coincide (the usual case: the EM level matches the training voxel size and the
@@ -446,7 +430,7 @@ def read_linear(level: ScaleLevel, origin, voxel_size, shape, fill=0) -> tuple[n
     lo = [int(i.min()) for i in i0]
     # An axis without interpolation needs no extra voxel (which could cost a whole chunk).
     hi = [int(i.max()) + (1 if e else 2) for i, e in zip(i0, exact)]
-    region = _read_region(level, lo, hi, fill)
+    region = _read_region(stores, level, lo, hi, fill)
     if all(exact) and all(_consecutive(i) for i in i0):
         return region, valid
     img = region.astype(np.float32)
@@ -473,7 +457,7 @@ NAN_CHECK_BOX = 32  # voxels per axis of the box each EM volume is checked for N
 def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None:
     """The range that maps ``source``'s EM onto 0..255, or None for uint8 EM used as stored."""
     level0 = source.levels[0]
-    dtype = np.dtype(open_array(level0.path).dtype)
+    dtype = np.dtype(source.stores.open_array(level0.path).dtype)
     if configured:
         return float(configured[0]), float(configured[1])
     if dtype == np.uint8:
@@ -481,8 +465,8 @@ def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None
     if dtype.kind not in "iuf":
         raise DatasetError(f"EM array {level0.path} has dtype {dtype}; expected uint8, another "
                            "integer type or float")
-    group = stores.parent_of(level0.path)
-    stored = stored_intensity_range(group, stores.read_json)
+    group = parent_of(level0.path)
+    stored = stored_intensity_range(group, source.stores.read_json)
     if stored is not None:
         logger.info("%s: %s EM mapped from its stored range [%g, %g] (omero window) to 0..255",
                     source.name, dtype, *stored)
@@ -517,11 +501,11 @@ def set_em_ranges(sources: list[EMSource], configured) -> None:
     for source in sources:
         source.em_range = resolve_em_range(source, configured)
         level0 = source.levels[0]
-        if np.dtype(open_array(level0.path).dtype).kind != "f":
+        if np.dtype(source.stores.open_array(level0.path).dtype).kind != "f":
             continue
         lo = [max(0, (n - NAN_CHECK_BOX) // 2) for n in level0.shape]
         hi = [min(n, a + NAN_CHECK_BOX) for n, a in zip(level0.shape, lo)]
-        check_em_finite(_read_region(level0, lo, hi, 0), level0.path)
+        check_em_finite(_read_region(source.stores, level0, lo, hi, 0), level0.path)
 
 
 def em_to_uint8_scale(img: np.ndarray, source: EMSource, array_path: str,
