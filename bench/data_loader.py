@@ -219,7 +219,8 @@ def augment_summary(cfg, samples=None) -> str:
 
 def build_ours(cfg):
     """The training samples, exactly as the segmentation task makes them."""
-    from torchtitan.data.sampling.loader import build_segmentation_samples, load_segmentation_data
+    from torchtitan.data.sampling.samples import build_segmentation_samples
+    from torchtitan.data.sources.crops import load_segmentation_data
 
     sources, train, _ = load_segmentation_data(cfg)
     return build_segmentation_samples(cfg, sources, train)

@@ -25,11 +25,8 @@ from torchtitan.data.sources.cellmap import (
     discover,
     read_linear,
 )
-from torchtitan.data.sampling.loader import (
-    build_segmentation_samples,
-    load_em_sources,
-    load_segmentation_data,
-)
+from torchtitan.data.sampling.samples import build_segmentation_samples
+from torchtitan.data.sources.crops import load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext, StoreSettings
 from torchtitan.data.io.zarr_chunks import ChunkedArray
 

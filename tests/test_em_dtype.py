@@ -19,7 +19,8 @@ import zarr
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources import cellmap
 from torchtitan.data.sources.cellmap import DatasetError
-from torchtitan.data.sampling.loader import build_segmentation_samples, load_segmentation_data
+from torchtitan.data.sampling.samples import build_segmentation_samples
+from torchtitan.data.sources.crops import load_segmentation_data
 from torchtitan.data.sampling.samples import normalize_em
 from torchtitan.data.io.stores import StoreContext
 

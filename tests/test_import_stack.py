@@ -27,7 +27,8 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources import cellmap
 from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.data.imports.image_stack import natural_key
-from torchtitan.data.sampling.loader import build_segmentation_samples, load_em_sources, load_segmentation_data
+from torchtitan.data.sampling.samples import build_segmentation_samples
+from torchtitan.data.sources.crops import load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.samples import CropReader, crop_grid
 from torchtitan.data.sampling.targets import read_instance_ids

@@ -13,7 +13,7 @@ from test_sampling_augment import make_store, write_labels
 
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources.cellmap import DatasetError
-from torchtitan.data.sampling.loader import load_segmentation_data
+from torchtitan.data.sources.crops import load_segmentation_data
 from torchtitan.data.sources.volume_source import build_source
 from torchtitan.errors import ConfigError
 

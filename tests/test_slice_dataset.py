@@ -21,7 +21,7 @@ datasets = pytest.importorskip("datasets")
 
 from torchtitan.config.manager import ConfigManager  # noqa: E402
 from torchtitan.data.sources.cellmap import DatasetError, discover  # noqa: E402
-from torchtitan.data.sampling.loader import build_segmentation_samples  # noqa: E402
+from torchtitan.data.sampling.samples import build_segmentation_samples  # noqa: E402
 from torchtitan.data.sampling.samples import crop_grid, normalize_em  # noqa: E402
 from torchtitan.data.slices.samples import (  # noqa: E402
     build_slice_mae_samples,

@@ -9,7 +9,7 @@ returns slices like ``ChunkedArray`` (``arr[z0:z1, y0:y1, x0:x1]``, ``shape``, `
 ``chunks``), so nothing downstream cares where the bytes come from.
 
 Who makes a context: training makes one from its config (``StoreContext.from_config``, in
-``loader.load_em_sources``); the datasets and label crops discovered with it keep it and read
+``crops.load_em_sources``); the datasets and label crops discovered with it keep it and read
 through it, so every reader of a run shares one chunk cache. Tools without a training config
 make their own ``StoreContext()``. A context holds its :class:`StoreSettings` and what a
 process opens under them: the TensorStore context (chunk cache, request retries), the

@@ -20,7 +20,7 @@ from torchtitan.data.sampling.augment import nearest_from_geometry
 from torchtitan.data.batch import Sample
 from torchtitan.data.sources.cellmap import DatasetError, EMSource, LabelCrop
 from torchtitan.cellmap.grids import grid_origin_snapped
-from torchtitan.data.sampling.samples import SampleArrays, SampleDataset, read_em
+from torchtitan.data.sampling.samples import SampleArrays, SampleDataset, read_em, samples_kwargs
 
 # Foreground filter: draws per sample before the best one is kept.
 FOREGROUND_DRAWS = 16
@@ -154,3 +154,13 @@ class MAESamples(SampleDataset):
         if self.num_patches:
             out.noise = torch.from_numpy(rng.random(self.num_patches, dtype=np.float32))
         return out
+
+
+def build_mae_samples(cfg, sources, seed_offset: int = 0, num_patches: int = 0,
+                      augment: bool = True, held_out: list[LabelCrop] = (),
+                      validation: bool = False) -> MAESamples:
+    """MAE samples outside the ``held_out`` crops, or with ``validation`` inside them (and
+    ``augment=False``, a ``seed_offset``: the fixed validation stream)."""
+    return MAESamples(sources, cfg.data.voxel_size, cfg.model.crop_size,
+                      cfg.training.seed + seed_offset, augment=augment, num_patches=num_patches,
+                      held_out=held_out, validation=validation, **samples_kwargs(cfg, "mae"))

@@ -523,3 +523,10 @@ def crop_grid(crop: LabelCrop, voxel_size) -> tuple[np.ndarray, tuple[int, int, 
     # Centre the grid on the crop so any remainder is split evenly between both sides.
     origin = crop.box_min + (extent - np.asarray(shape) * v) / 2
     return origin, shape  # type: ignore[return-value]
+
+
+def build_segmentation_samples(cfg, sources, train_crops) -> SegmentationSamples:
+    """The segmentation samples of a config over ``train_crops``."""
+    return SegmentationSamples(sources, train_crops, cfg.data.classes, cfg.data.voxel_size,
+                               cfg.model.crop_size, cfg.training.seed,
+                               **samples_kwargs(cfg, "segmentation"))

@@ -33,7 +33,7 @@ from torchtitan.data.sampling.augment import Augmenter, apply_flips, read_shape,
 from torchtitan.data.batch import Sample
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.data.sampling.loader import split_crops
+from torchtitan.data.sources.crops import split_crops
 from torchtitan.data.sampling.mae_samples import best_draw, foreground_fraction
 from torchtitan.data.sampling.resampling import resample
 from torchtitan.data.sampling.samples import SampleArrays, normalize_em, sample_rng
@@ -430,7 +430,7 @@ def load_mae_slices(cfg) -> MAESlices:
 def build_slice_mae_samples(cfg, data: MAESlices, seed_offset: int = 0, num_patches: int = 0,
                             augment: bool = True) -> SliceMAESamples:
     """MAE samples of a slices dataset; ``augment=False`` for the held-out validation
-    stream (``seed_offset``), as ``loader.build_mae_samples``."""
+    stream (``seed_offset``), as ``mae_samples.build_mae_samples``."""
     return SliceMAESamples(data.ds, data.rows, data.row_axis, cfg.model.crop_size,
                            cfg.data.voxel_size, cfg.training.seed + seed_offset, augment=augment,
                            num_patches=num_patches,

@@ -24,13 +24,9 @@ from torch.utils.data import Dataset
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.data.batch import CropVolume
-from torchtitan.data.sampling.loader import (
-    build_mae_samples,
-    build_segmentation_samples,
-    held_out_crops,
-    load_em_sources,
-    load_segmentation_data,
-)
+from torchtitan.data.sampling.mae_samples import build_mae_samples
+from torchtitan.data.sampling.samples import build_segmentation_samples
+from torchtitan.data.sources.crops import held_out_crops, load_em_sources, load_segmentation_data
 from torchtitan.data.sampling.samples import CropReader, SampleArrays, crop_grid
 from torchtitan.data.slices.samples import (
     SliceReader,
