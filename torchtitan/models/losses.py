@@ -26,7 +26,7 @@ treats the classes as mutually exclusive, with an implicit background class.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,6 @@ from torchtitan.choices import MULTI_LABEL_LOSSES
 from .resize import resize_linear, slab_statistics
 
 LossTerms = tuple[Tensor, Tensor]  # (sum of the loss terms, their count)
-LossFn = Callable[[Tensor, Tensor, Tensor], LossTerms]
 ClassWeights = Tensor | Sequence[float] | None  # one weight per class, or none
 
 DICE_EPS = 1.0  # smoothing: an empty class predicted empty scores a perfect 0 loss
@@ -206,7 +205,7 @@ class Loss:
         if class_weights is not None and len(class_weights) == 0:
             class_weights = None
         self.name, self.class_weights = name, class_weights
-        self._statistics, self._gradient, self._finish = _PARTS[name]
+        self._statistics, self._gradient, self._finish = LOSSES[name]
 
     def statistics(self, logits: Tensor, targets: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
         return self._statistics(logits, targets, valid, self.class_weights)
@@ -285,14 +284,10 @@ def cross_entropy_loss(
 
 
 # ----------------------------------------------------------------------------- registry
-LOSSES: dict[str, LossFn] = {
-    "bce": masked_bce_loss,
-    "dice": soft_dice_loss,
-    "bce_dice": bce_dice_loss,
-    "ce": cross_entropy_loss,
-}
-# name -> (statistics, their gradient for the slab backward pass or None for autograd, finish)
-_PARTS = {
+# Each loss name of ``torchtitan.choices.LOSSES`` (the config's choices; tests/test_choices.py
+# keeps the two equal) -> (statistics, their gradient for the slab backward pass or None for
+# autograd, finish).
+LOSSES = {
     "bce": (functools.partial(_multilabel_statistics, dice=False),
             functools.partial(_multilabel_gradient, dice=False), _bce_finish),
     "dice": (functools.partial(_multilabel_statistics, bce=False),
