@@ -229,6 +229,55 @@ def test_no_module_imports_a_floor_above_its_own(graph):
     assert upward_imports(graph) == []
 
 
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a loop (every import
+    counts: at the top, inside a function, or for type checking only), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle(graph):
+    """No two modules import each other, not even for a type annotation: a module that needs
+    a type of the one importing it names it in its docstring instead."""
+    assert import_cycles(graph) == []
+
+
+def test_an_import_cycle_is_found(tmp_path):
+    _write(tmp_path, {**CLEAN, "torchtitan/cellmap/__init__.py": "",
+                      "torchtitan/cellmap/labels.py": "from torchtitan.cellmap import grids\n",
+                      "torchtitan/cellmap/grids.py": "def f():\n    from .labels import rule\n"})
+    assert import_cycles(import_graph(tmp_path)) == [["torchtitan.cellmap.grids",
+                                                       "torchtitan.cellmap.labels"]]
+
+
 def test_models_and_data_know_nothing_of_each_other(graph):
     """Floor 3: models know nothing of data; the data knows nothing of models."""
     assert all(not within(m, f"{PACKAGE}.data") for name, imported in graph.items()

@@ -3,21 +3,17 @@ options (crop size vs. patch size, class weights vs. classes, ...), options that
 take effect, and startup warnings. (A run's launch history in its dump folder is
 :mod:`torchtitan.checkpoint.launch_history`.)
 
-Floor 1: imports only the standard library, the other config modules and
-:mod:`torchtitan.errors`.
+Floor 1: imports only the standard library, the other config modules and the ground floor.
+``config`` below is a ``manager.JobConfig``; this module does not import ``manager``, which
+imports it.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from torchtitan.choices import HEAD_IMAGE_LEVELS, is_isotropic
 from torchtitan.config.context_parallel import config_problems as cp_config_problems
 from torchtitan.config.parsing import field_problems
 from torchtitan.errors import ConfigError
-
-if TYPE_CHECKING:
-    from torchtitan.config.manager import JobConfig
 
 
 # ---------------------------------------------------------------------------------------
@@ -25,7 +21,7 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------
 
 
-def _cross_field_problems(config: JobConfig) -> list[str]:
+def _cross_field_problems(config) -> list[str]:
     """Rules that relate several fields; none of them needs to know the hardware.
 
     Runs only on well-typed configs whose single-field rules hold (e.g. patch_size >= 1).
@@ -87,7 +83,7 @@ def _cross_field_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def _context_parallel_problems(config: JobConfig) -> list[str]:
+def _context_parallel_problems(config) -> list[str]:
     """Where ``training.context_parallel_degree`` cannot split the token sequence (the rules
     are :mod:`torchtitan.config.context_parallel`'s)."""
     model = config.model
@@ -97,7 +93,7 @@ def _context_parallel_problems(config: JobConfig) -> list[str]:
                               patch_size=model.patch_size, loss=model.loss)
 
 
-def _ineffective_option_problems(config: JobConfig) -> list[str]:
+def _ineffective_option_problems(config) -> list[str]:
     """Combinations in which an option set by the user could not take effect."""
     problems = []
     ckpt = config.checkpoint
@@ -138,7 +134,7 @@ def _ineffective_option_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def config_warnings(config: JobConfig) -> list[str]:
+def config_warnings(config) -> list[str]:
     """Legal but probably unintended combinations, logged once at startup.
 
     ``training.warmup_steps > training.steps`` stays legal: a run is extended by resuming it
@@ -157,7 +153,7 @@ def config_warnings(config: JobConfig) -> list[str]:
     return out
 
 
-def validate(config: JobConfig) -> None:
+def validate(config) -> None:
     """Check a whole config; raise one ConfigError that lists every problem found.
 
     Covers field types and the rules declared with :func:`opt` (again, for configs built in

@@ -36,9 +36,9 @@ import torch
 from torchtitan.choices import EM_SCALE
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.tools import exported
-from torchtitan.tools.export import (
+from torchtitan.tools.exported import ExportError
+from torchtitan.tools.trained_model import (
     Card,
-    ExportError,
     TrainedModel,
     model_card,
     model_name,

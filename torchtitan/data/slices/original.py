@@ -27,15 +27,10 @@ from the stack.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from torchtitan.cellmap.classes import CLASS_IDS, atoms
 from torchtitan.cellmap.errors import DatasetError
-
-if TYPE_CHECKING:
-    from torchtitan.data.slices.index import SliceCrop, SliceIndex
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +100,11 @@ class CellMapIdLabels:
 
 
 
-def stack_held_out(index: SliceIndex, name: str, val: list[SliceCrop],
-                   voxel_size) -> list[SliceCrop]:
+def stack_held_out(index, name: str, val: list, voxel_size) -> list:
     """The held-out crops of an original-schema dataset, each made the stack of its planes
-    (logged: the schema has no geometry, so this is the fallback)."""
+    (logged: the schema has no geometry, so this is the fallback). ``index`` is the dataset's
+    ``index.SliceIndex``, ``val`` and the result are lists of its ``SliceCrop``; this module
+    does not import ``index``, which imports it."""
     stacked, gaps = [], []
     for c in val:
         crop, missing = index.stack_crop(c)
