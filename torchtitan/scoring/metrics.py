@@ -465,6 +465,14 @@ def scores_by_class(crops: list[dict]) -> dict[str, list[dict]]:
     return by_class
 
 
+def classes_and_overall(classes: dict[str, dict]) -> dict:
+    """A combination's result: the per-class scores and the overall scores made from them
+    (:func:`overall_scores`), whichever metric version pooled the classes."""
+    return {"classes": classes, "overall": overall_scores(
+        [c["iou"] for c in classes.values() if c["type"] == "semantic"],
+        [c["score"] for c in classes.values() if c["type"] == "instance"])}
+
+
 def overall_scores(semantic_ious, instance_scores_) -> dict:
     """The overall scores from the per-class ones: ``mean_semantic_iou`` (plain mean over
     semantic classes), ``mean_instance_score`` (plain mean over instance classes) and
@@ -525,9 +533,7 @@ def combine_scores(crops: list[dict]) -> dict:
         if neuron:
             out.update(pool_neuron_scores(neuron))
         classes[name] = out
-    overall = overall_scores([c["iou"] for c in classes.values() if c["type"] == "semantic"],
-                             [c["score"] for c in classes.values() if c["type"] == "instance"])
-    return {"classes": classes, "overall": overall}
+    return classes_and_overall(classes)
 
 
 def validation_scores(combined: dict, classes: list[str]) -> dict[str, float]:

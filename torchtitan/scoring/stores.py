@@ -87,10 +87,10 @@ from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import (
     THRESHOLD,
+    classes_and_overall,
     combine_scores,
     instance_overlaps,
     match_instances,
-    overall_scores,
     predicted_instances,
     score_class,
     scores_by_class,
@@ -356,9 +356,7 @@ def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VE
         if neuron:
             out.update(pool_neuron_scores(neuron))
         classes[name] = out
-    overall = overall_scores([c["iou"] for c in classes.values() if c["type"] == "semantic"],
-                             [c["score"] for c in classes.values() if c["type"] == "instance"])
-    return {"classes": classes, "overall": overall}
+    return classes_and_overall(classes)
 
 
 def _truth_crops(stores: StoreContext, groundtruth) -> dict:
