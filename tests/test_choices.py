@@ -4,6 +4,8 @@ register, and the config's options take their choices from there, not from copie
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,3 +94,20 @@ def test_isotropy_and_kept_patches():
     assert not choices.is_isotropic([40.0, 8.0, 8.0])
     assert choices.num_kept_patches(64, 0.75) == 16
     assert choices.num_kept_patches(10, 0.99) == 1
+
+
+def test_voxel_sizes_compare_with_the_one_tolerance():
+    assert choices.same_size(4.0, 4.0 * (1 + 1e-9))  # a float read back from metadata
+    assert not choices.same_size(4.0, 4.001)
+    assert choices.same_voxel_size((40.0, 4.0, 4.0), np.array([40.0, 4.0, 4.0 + 1e-9]))
+    assert not choices.same_voxel_size((40.0, 4.0, 4.0), (4.0, 4.0, 4.0))
+    assert not choices.same_voxel_size((4.0, 4.0), (4.0, 4.0, 4.0))
+
+
+def test_no_module_compares_voxel_sizes_with_its_own_tolerance():
+    """Voxel sizes are equal by choices.same_size / same_voxel_size, not by a local rtol."""
+    package = Path(choices.__file__).parent
+    pattern = re.compile(r"rel_tol\s*=\s*1e-6|rtol\s*=\s*1e-6")
+    found = [f"{p.relative_to(package)}:{i}" for p in sorted(package.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

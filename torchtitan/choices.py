@@ -43,10 +43,19 @@ PROBABILITY_THRESHOLD = 0.5
 VOXEL_RTOL = 1e-6
 
 
+def same_size(a: float, b: float) -> bool:
+    """Whether two voxel sizes (nm, of one axis) are equal, within :data:`VOXEL_RTOL`."""
+    return abs(float(a) - float(b)) <= VOXEL_RTOL * max(abs(float(a)), abs(float(b)))
+
+
+def same_voxel_size(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two voxel sizes (nm, per axis) are equal on every axis."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
 def is_isotropic(voxel_size: Sequence[float]) -> bool:
     """Whether every axis of ``voxel_size`` (nm) has the same size, within :data:`VOXEL_RTOL`."""
-    v = [float(s) for s in voxel_size]
-    return max(v) - min(v) <= VOXEL_RTOL * max(v)
+    return all(same_size(s, max(voxel_size)) for s in voxel_size)
 
 
 def num_kept_patches(num_patches: int, mask_ratio: float) -> int:

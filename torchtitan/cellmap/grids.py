@@ -11,10 +11,11 @@ size and a shape; :func:`voxel_positions` maps it into a level's index space.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from torchtitan.choices import VOXEL_RTOL, same_size
 
 AXES = ("z", "y", "x")
 
@@ -63,7 +64,7 @@ def label_level(levels: list[ScaleLevel], voxel_size) -> ScaleLevel:
     """The level to read labels from: the coarsest one still at least as fine as the grid
     (nearest sampling from it loses no detail), or the closest one when all are coarser."""
     v = np.asarray(voxel_size, dtype=float)
-    finer = [lv for lv in levels if np.all(np.asarray(lv.scale) <= v + 1e-6)]
+    finer = [lv for lv in levels if np.all(np.asarray(lv.scale) <= v * (1 + VOXEL_RTOL))]
     if finer:
         return max(finer, key=lambda lv: float(np.prod(lv.scale)))
     return levels[closest_level(levels, v)]
@@ -84,7 +85,7 @@ def grid_origin_snapped(level: Grid, voxel_size, approx_origin) -> np.ndarray:
     voxel size equals the training voxel size, so reading needs no interpolation."""
     origin = np.asarray(approx_origin, dtype=float).copy()
     for ax in range(3):
-        if math.isclose(level.scale[ax], voxel_size[ax], rel_tol=1e-6):
+        if same_size(level.scale[ax], voxel_size[ax]):
             corner0 = level.translation[ax] - level.scale[ax] / 2
             k = np.round((origin[ax] - corner0) / voxel_size[ax])
             origin[ax] = corner0 + k * voxel_size[ax]

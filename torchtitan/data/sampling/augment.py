@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from torchtitan.choices import same_size
 from torchtitan.config.manager import Augmentation
 from torchtitan.data.sampling.resampling import resample
 
@@ -56,7 +57,7 @@ class Plan:
 def _isotropic_pairs(shape, vox) -> list[tuple[int, int]]:
     n = len(shape)
     return [(a, b) for a in range(n) for b in range(a + 1, n)
-            if shape[a] == shape[b] and math.isclose(vox[a], vox[b], rel_tol=1e-6)]
+            if shape[a] == shape[b] and same_size(vox[a], vox[b])]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from torchtitan.choices import EM_SCALE
+from torchtitan.choices import EM_SCALE, VOXEL_RTOL
 from torchtitan.config.manager import Augmentation
 from torchtitan.data.sampling.augment import nearest_from_geometry
 from torchtitan.data.batch import Sample
@@ -132,7 +132,7 @@ class MAESamples(SampleDataset):
 
     def _overlaps_held_out(self, dataset: str, origin, box) -> bool:
         end = np.asarray(origin) + np.asarray(box) * self.voxel_size
-        tol = 1e-6 * self.voxel_size
+        tol = VOXEL_RTOL * self.voxel_size
         return any(np.all(origin < c.box_max - tol) and np.all(end > c.box_min + tol)
                    for c in self.held_out if c.dataset == dataset)
 

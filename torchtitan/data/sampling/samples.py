@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from torchtitan.choices import EM_SCALE, PLANES
+from torchtitan.choices import EM_SCALE, PLANES, same_voxel_size
 from torchtitan.config.manager import Augmentation
 from torchtitan.data.sampling.augment import Augmenter, DeviceAugmentation
 from torchtitan.data.batch import Sample
@@ -263,7 +263,7 @@ class SampleDataset(Dataset):
             return False
         if any(s.em_range is not None for s in sources):
             return False  # non-uint8 EM keeps its precision: mapped and normalised here
-        return all(np.allclose(self._em_level(s).scale, self.voxel_size, rtol=1e-6)
+        return all(same_voxel_size(self._em_level(s).scale, self.voxel_size)
                    for s in sources)
 
     def __len__(self) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchtitan.choices import same_voxel_size
 from torchtitan.config.manager import Augmentation
 from torchtitan.data.slices import original as slices_original
 from torchtitan.data.sampling.augment import Augmenter, apply_flips, read_shape, resample_matrix
@@ -305,7 +306,7 @@ def _check_min_fraction(index: SliceIndex, crops: list[SliceCrop], axes, crop_si
 def _check_voxel_sizes(name: str, sizes, voxel_size) -> None:
     """The voxel sizes a dataset of this project's schema was cut at must be data.voxel_size."""
     sizes = sorted({tuple(s) for s in sizes})
-    if any(not np.allclose(s, voxel_size, rtol=1e-6) for s in sizes):
+    if any(not same_voxel_size(s, voxel_size) for s in sizes):
         raise DatasetError(
             f"the slices dataset {name!r} was cut at voxel size "
             f"{' / '.join(str(list(s)) for s in sizes)} nm, but data.voxel_size is "

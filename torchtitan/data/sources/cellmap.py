@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
+from torchtitan.choices import VOXEL_RTOL
 from torchtitan.cellmap.grids import AXES, ScaleLevel, voxel_positions
 from torchtitan.cellmap.labels import DEFAULT_ENCODING, LabelEncoding
 from torchtitan.cellmap.ome_ngff import (
@@ -330,7 +331,7 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
     v = np.asarray(voxel_size, dtype=float)
     scales = np.asarray([lv.scale for lv in source.levels], dtype=float)
     finest, coarsest = scales.min(axis=0), scales.max(axis=0)
-    tol = 1e-6
+    tol = VOXEL_RTOL
     too_fine = v * MAX_RESAMPLE_FACTOR < finest * (1 - tol)
     too_coarse = v > coarsest * MAX_RESAMPLE_FACTOR * (1 + tol)
     if too_fine.any() or too_coarse.any():
