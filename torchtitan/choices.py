@@ -55,7 +55,8 @@ def same_voxel_size(a: Sequence[float], b: Sequence[float]) -> bool:
 
 def is_isotropic(voxel_size: Sequence[float]) -> bool:
     """Whether every axis of ``voxel_size`` (nm) has the same size, within :data:`VOXEL_RTOL`."""
-    return all(same_size(s, max(voxel_size)) for s in voxel_size)
+    largest = max(voxel_size)
+    return all(same_size(s, largest) for s in voxel_size)
 
 
 def num_kept_patches(num_patches: int, mask_ratio: float) -> int:
