@@ -122,7 +122,7 @@ def unet_task():
 
         def build_model(self):
             m = self.cfg.model
-            return UNetModel(m.ndim, m.in_chans, len(self.cfg.data.classes))
+            return UNetModel(m.ndim, m.in_chans, len(self.channels))
 
         def flops_per_sample(self, model) -> float:
             return 0.0  # not needed here

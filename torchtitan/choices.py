@@ -24,6 +24,10 @@ OUT_LAYER_SETS = ("last", "four_last", "four_even_intervals")
 LOSSES = ("bce", "dice", "bce_dice", "ce")
 MULTI_LABEL_LOSSES = ("bce", "dice", "bce_dice")
 
+# How post-processing cuts a class with predicted affinities into objects
+# (postprocess/affinities.py implements each).
+AFFINITY_CUTS = ("mutex", "agglomerate")
+
 # Attention kernels (models/attention.py): "auto" takes fa4 where it runs, sdpa otherwise.
 ATTENTION_BACKENDS = ("sdpa", "fa4", "auto")
 
@@ -62,3 +66,9 @@ def is_isotropic(voxel_size: Sequence[float]) -> bool:
 def num_kept_patches(num_patches: int, mask_ratio: float) -> int:
     """How many of ``num_patches`` the MAE encoder sees at ``mask_ratio`` (at least one)."""
     return max(1, int(num_patches * (1 - mask_ratio)))
+
+
+def parse_offset(text: str) -> tuple[int, ...]:
+    """An offset of the config's ``affinities.offsets``, written ``'z:y:x'`` (``'y:x'`` in
+    2D), as a tuple of ints; ValueError when it is not whole numbers joined by ':'."""
+    return tuple(int(part) for part in str(text).split(":"))

@@ -44,6 +44,7 @@ from itertools import combinations, product
 import numpy as np
 import torch
 
+from torchtitan.cellmap.affinities import config_outputs
 from torchtitan.choices import PLANES, is_isotropic
 from torchtitan.models import predict_probabilities
 
@@ -537,7 +538,7 @@ class VolumePredictor:
         it (``predict.py``'s flags)."""
         inf = cfg.inference
         return cls(model, cfg.model.loss, device, tuple(cfg.model.crop_size),
-                   len(cfg.data.classes), cfg.model.in_chans, overlap=inf.overlap,
+                   len(config_outputs(cfg)), cfg.model.in_chans, overlap=inf.overlap,
                    blend=inf.blend, batch_size=batch_size or inf.batch_size,
                    tta_flips=inf.tta_flips if tta_flips is None else tta_flips,
                    planes=planes or inf.planes, voxel_size=tuple(cfg.data.voxel_size),

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 ABSENT, PRESENT, UNKNOWN = 0, 1, 255  # the CellMap challenge's default values
+# The annotation types of a label group (``cellmap.annotation.annotation_type.type``).
+SEMANTIC_TYPE, INSTANCE_TYPE = "semantic_segmentation", "instance_segmentation"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,13 @@ class LabelEncoding:
             "encoding", {})
         return cls(int(enc.get("absent", ABSENT)), int(enc.get("present", PRESENT)),
                    int(enc.get("unknown", UNKNOWN)))
+
+    @staticmethod
+    def declares_ids(attrs: dict) -> bool:
+        """Whether a label group's attributes declare object ids (annotation type
+        ``instance_segmentation``, as :func:`annotation_attrs` writes it)."""
+        kind = attrs.get("cellmap", {}).get("annotation", {}).get("annotation_type", {}).get("type")
+        return kind == INSTANCE_TYPE
 
     def as_dict(self) -> dict[str, int]:
         return {"absent": self.absent, "present": self.present, "unknown": self.unknown}
@@ -85,7 +94,7 @@ def annotation_attrs(class_name: str, s0: np.ndarray,
     """The ``cellmap`` attribute of a label group, as the challenge writes it: semantic (0/1
     values), or ``instances`` (object ids); the complement counts are taken from level
     ``s0``."""
-    kind = "instance_segmentation" if instances else "semantic_segmentation"
+    kind = INSTANCE_TYPE if instances else SEMANTIC_TYPE
     return {
         "cellmap": {
             "annotation": {

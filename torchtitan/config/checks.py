@@ -10,7 +10,7 @@ imports it.
 
 from __future__ import annotations
 
-from torchtitan.choices import HEAD_IMAGE_LEVELS, is_isotropic
+from torchtitan.choices import HEAD_IMAGE_LEVELS, MULTI_LABEL_LOSSES, is_isotropic, parse_offset
 from torchtitan.config.context_parallel import config_problems as cp_config_problems
 from torchtitan.config.parsing import field_problems
 from torchtitan.errors import ConfigError
@@ -78,8 +78,54 @@ def _cross_field_problems(config) -> list[str]:
             f"'inference.fill_holes_classes' names {unknown}, which 'data.classes' does not hold "
             f"({', '.join(config.data.classes)}); name classes the model predicts, or none (= all)"
         )
+    problems += _affinity_problems(config)
     problems += _context_parallel_problems(config)
     problems += _ineffective_option_problems(config)
+    return problems
+
+
+def _affinity_problems(config) -> list[str]:
+    """Affinity targets: of predicted classes, along offsets that fit the model's crop, with a
+    loss that scores each channel on its own."""
+    aff, model = config.affinities, config.model
+    problems = []
+    unknown = [c for c in aff.classes if c not in config.data.classes]
+    if unknown:
+        problems.append(
+            f"'affinities.classes' names {unknown}, which 'data.classes' does not hold "
+            f"({', '.join(config.data.classes)}); add them there (their masks are predicted "
+            "too) or remove them")
+    if aff.offsets and not aff.classes:
+        problems.append(
+            f"'affinities.offsets' = {aff.offsets} has no effect with 'affinities.classes' "
+            "empty; name the instance classes whose affinities to predict, or remove the offsets")
+    if not aff.classes:
+        return problems
+    if model.loss not in MULTI_LABEL_LOSSES:
+        problems.append(
+            f"'affinities.classes' = {aff.classes} needs a multi-label loss (each channel its "
+            f"own sigmoid), not 'model.loss' = {model.loss!r}; use one of "
+            f"{', '.join(map(repr, MULTI_LABEL_LOSSES))}")
+    axes = "y:x" if model.ndim == 2 else "z:y:x"
+    for text in aff.offsets:
+        offset = parse_offset(text)
+        if len(offset) != model.ndim:
+            problems.append(
+                f"'affinities.offsets' entry {text!r} has {len(offset)} entries but "
+                f"'model.ndim' = {model.ndim}; write each offset as '{axes}'")
+        elif any(abs(o) >= c for o, c in zip(offset, model.crop_size)):
+            problems.append(
+                f"'affinities.offsets' entry {text!r} reaches past 'model.crop_size' = "
+                f"{model.crop_size}: no voxel of a training window would have its partner "
+                "inside it; use offsets shorter than the crop on every axis")
+    if config.inference.affinity_cut == "agglomerate" and aff.offsets:
+        units = {tuple(int(a == axis) for a in range(model.ndim)) for axis in range(model.ndim)}
+        given = {parse_offset(t) for t in aff.offsets}
+        if not units <= given:
+            problems.append(
+                f"'inference.affinity_cut' = 'agglomerate' cuts from the face-neighbour "
+                f"affinities, but 'affinities.offsets' = {aff.offsets} lacks "
+                f"{sorted(':'.join(map(str, u)) for u in units - given)}; add them")
     return problems
 
 

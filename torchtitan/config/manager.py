@@ -36,8 +36,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from torchtitan.choices import (ATTENTION_BACKENDS, HEADS, LOSSES, OUT_LAYER_SETS, PLANES,
-                                PROBABILITY_THRESHOLD)
+from torchtitan.choices import (AFFINITY_CUTS, ATTENTION_BACKENDS, HEADS, LOSSES,
+                                OUT_LAYER_SETS, PLANES, PROBABILITY_THRESHOLD, parse_offset)
 from torchtitan.config.checks import config_warnings, validate
 from torchtitan.config.parsing import (
     COMMAND_LINE,
@@ -464,6 +464,32 @@ class Model:
     )
 
 
+def _offsets_rule(values: list[str]) -> bool:
+    try:
+        return all(any(parse_offset(v)) for v in values)
+    except ValueError:
+        return False
+
+
+@dataclass
+class Affinities:
+    """Affinity targets of instance classes (torchtitan/cellmap/affinities.py): for each offset,
+    whether a voxel and its partner at that offset lie in the same object. The model predicts
+    them as extra output channels (after data.classes), and post-processing cuts the objects
+    from them (inference.affinity_cut)."""
+
+    classes: list[str] = opt(
+        [], "Instance classes (names from data.classes, stored with object ids) whose "
+        "affinities the model predicts, e.g. ['cell'] for neurons; empty = none.",
+        check=(lambda v: len(set(v)) == len(v), "each class may appear only once"))
+    offsets: list[str] = opt(
+        [], "Offsets in voxels of the training grid, each 'z:y:x' ('y:x' for 2D models), "
+        "e.g. ['1:0:0', '0:1:0', '0:0:1', '0:0:9']; every face-neighbour offset first, "
+        "long-range ones after. Empty = the face neighbours plus offsets of about 3 and 9 "
+        "voxels of the finest axis along each axis (shorter on a coarser axis).",
+        check=(_offsets_rule, "entries must be whole numbers joined by ':', not all 0"))
+
+
 @dataclass
 class Inference:
     """Sliding-window prediction (validation during training and predict.py)."""
@@ -512,6 +538,23 @@ class Inference:
         "with pm) takes its objects from a seeded watershed of the distance to the predicted "
         "membrane (neurons from boundaries, torchtitan/postprocess/neurons.py) instead of "
         "inference.instances (val_post/ scores, predict.py --instances).")
+    affinity_cut: str = opt(
+        "mutex", "Post-processing of a class with predicted affinities (affinities.classes): "
+        "'mutex' (mutex watershed of every offset, long-range ones keeping objects apart), "
+        "'agglomerate' (watershed fragments of the face-neighbour affinities merged while "
+        "their mean affinity is above agglomerate_threshold) or 'boundary' (the affinities "
+        "are not used: boundary_instances or inference.instances cut the class). "
+        "torchtitan/postprocess/affinities.py.", choices=AFFINITY_CUTS + ("boundary",))
+    mutex_threshold_nearest: float = opt(
+        0.5, "affinity_cut = 'mutex': a face-neighbour edge joins its voxels where the "
+        "predicted affinity is above this and keeps them apart below it (lower: fewer splits).",
+        check=FRACTION)
+    mutex_threshold_long: float = opt(
+        0.5, "affinity_cut = 'mutex': the same for long-range edges (higher: more splits).",
+        check=FRACTION)
+    agglomerate_threshold: float = opt(
+        0.5, "affinity_cut = 'agglomerate': regions merge while the mean affinity along their "
+        "contact is above this (lower: fewer, larger objects).", check=FRACTION)
     boundary_seed_nm: float = opt(
         10.0, "boundary_instances: seeds are the parts of the interior farther than this from a "
         "predicted membrane (nm); larger bridges wider gaps in the membrane but splits thin "
@@ -544,6 +587,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     augmentation: Augmentation = field(default_factory=Augmentation)
     model: Model = field(default_factory=Model)
+    affinities: Affinities = field(default_factory=Affinities)
     inference: Inference = field(default_factory=Inference)
     comm: Comm = field(default_factory=Comm)
 

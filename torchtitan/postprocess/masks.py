@@ -21,7 +21,9 @@ settings, the ``[inference]`` section of the config sets them):
    ``boundary_instances``, a class whose membrane class is predicted too
    (``cellmap.classes.MEMBRANE_OF``: ``cell`` with ``pm``) is cut into objects by the
    predicted membrane instead (:func:`torchtitan.postprocess.neurons.boundary_instances`, after steps 1-2
-   on both masks).
+   on both masks). A class whose affinities the model predicts (``[affinities]``) is cut from
+   them by ``affinity_cut`` (:mod:`torchtitan.postprocess.affinities`), unless that is
+   ``"boundary"``.
 
 The watershed is a flooding of the distance-to-background map by levels, from the deepest
 voxels outwards (immersion): at each level, the newly covered voxels join the basin they touch;
@@ -53,8 +55,10 @@ import numpy as np
 import scipy.ndimage as ndi
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, MEMBRANE_OF
+from torchtitan.choices import AFFINITY_CUTS
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import THRESHOLD, combine_scores, label_instances, score_crop
+from torchtitan.postprocess.affinities import affinity_instances
 from torchtitan.postprocess.neurons import boundary_instances
 
 FILL_HOLES_MODES = ("none", "planes", "volume")
@@ -79,6 +83,10 @@ class PostProcessing:
     watershed_neck_ratio: float = 0.5
     boundary_instances: bool = False
     boundary_seed_nm: float = 10.0
+    affinity_cut: str = "mutex"
+    mutex_threshold_nearest: float = 0.5
+    mutex_threshold_long: float = 0.5
+    agglomerate_threshold: float = 0.5
 
     def __post_init__(self):
         if not np.isfinite(self.min_object_nm3) or self.min_object_nm3 < 0:
@@ -99,6 +107,10 @@ class PostProcessing:
         if not np.isfinite(self.boundary_seed_nm) or self.boundary_seed_nm < 0:
             raise PostProcessingError(
                 f"inference.boundary_seed_nm = {self.boundary_seed_nm}: must be >= 0 (nm)")
+        if self.affinity_cut not in AFFINITY_CUTS + ("boundary",):
+            raise PostProcessingError(
+                f"inference.affinity_cut = {self.affinity_cut!r}: must be one of "
+                f"{', '.join(map(repr, AFFINITY_CUTS + ('boundary',)))}")
         object.__setattr__(self, "fill_holes_classes", tuple(self.fill_holes_classes))
 
     @classmethod
@@ -109,13 +121,31 @@ class PostProcessing:
                    instances=inference.instances,
                    watershed_neck_ratio=inference.watershed_neck_ratio,
                    boundary_instances=inference.boundary_instances,
-                   boundary_seed_nm=inference.boundary_seed_nm)
+                   boundary_seed_nm=inference.boundary_seed_nm,
+                   affinity_cut=inference.affinity_cut,
+                   mutex_threshold_nearest=inference.mutex_threshold_nearest,
+                   mutex_threshold_long=inference.mutex_threshold_long,
+                   agglomerate_threshold=inference.agglomerate_threshold)
 
     @property
     def enabled(self) -> bool:
         """Whether any step changes a prediction."""
         return (self.min_object_nm3 > 0 or self.fill_holes != "none"
                 or self.instances != "components" or self.boundary_instances)
+
+    def cuts_affinities(self, affinities: dict | None) -> bool:
+        """Whether predicted ``affinities`` (``{class: (probabilities, offsets)}``) cut some
+        class into objects."""
+        return bool(affinities) and self.affinity_cut != "boundary"
+
+    def cut(self, affinities, offsets, voxel_size, inside) -> tuple[np.ndarray, int]:
+        """Instance ids of one class cut from its predicted ``affinities`` by ``affinity_cut``
+        (:func:`torchtitan.postprocess.affinities.affinity_instances`)."""
+        return affinity_instances(
+            affinities, offsets, self.affinity_cut, voxel_size, inside=inside,
+            min_object_nm3=self.min_object_nm3, threshold_nearest=self.mutex_threshold_nearest,
+            threshold_long=self.mutex_threshold_long,
+            agglomerate_threshold=self.agglomerate_threshold)
 
     def membrane(self, name: str, classes) -> str | None:
         """The class whose predicted boundaries cut ``name`` into objects, when
@@ -338,13 +368,18 @@ def clean_mask(mask, name: str, voxel_size, pp: PostProcessing) -> np.ndarray:
 
 
 def postprocess(masks: dict, voxel_size, pp: PostProcessing,
-                instance_classes=INSTANCE_CLASSES) -> dict[str, np.ndarray]:
+                instance_classes=INSTANCE_CLASSES,
+                affinities: dict | None = None) -> dict[str, np.ndarray]:
     """Every step on a crop's masks (``{class: boolean mask}``): boolean masks for semantic
-    classes, instance ids (int32) for ``instance_classes``."""
+    classes, instance ids (int32) for ``instance_classes`` and for the classes of
+    ``affinities`` (``{class: (probabilities (C, *spatial), offsets)}``, cut from them)."""
     cleaned = {name: clean_mask(mask, name, voxel_size, pp) for name, mask in masks.items()}
     out = {}
     for name, mask in cleaned.items():
-        if name in instance_classes:
+        if pp.cuts_affinities(affinities) and name in affinities:
+            probabilities, offsets = affinities[name]
+            mask = pp.cut(probabilities, offsets, voxel_size, mask)[0]
+        elif name in instance_classes:
             membrane = pp.membrane(name, cleaned)
             mask = separate_instances(mask, voxel_size, pp,
                                       None if membrane is None else cleaned[membrane])[0]

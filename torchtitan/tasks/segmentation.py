@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchtitan.cellmap.affinities import AffinitySpec, output_channels, split_outputs
 from torchtitan.data.batch import Batch, CropVolume
 from torchtitan.data.sampling.samples import READ_ERRORS
 from torchtitan.data.sources.volume_source import VolumeSource, build_source
@@ -43,20 +44,23 @@ def most_forwards(count: int, ctx) -> int:
     return int(most)
 
 
-def score_prediction(pred: np.ndarray, vol: CropVolume, post: PostProcessing) -> tuple[dict, dict | None]:
+def score_prediction(pred: np.ndarray, vol: CropVolume, post: PostProcessing,
+                     affinities: dict | None = None) -> tuple[dict, dict | None]:
     """One validation crop's scores (:func:`evaluation.score_crop`) of predicted masks ``pred``
     (C, *spatial; boolean, one channel per ``vol.classes``), raw and after ``post`` (None when
-    post-processing is off). What validation and ``bench/`` peers score a crop with."""
+    post-processing is off), which cuts the classes of ``affinities`` (``{class:
+    (probabilities, offsets)}``) from them. What validation and ``bench/`` peers score a crop
+    with."""
     target, valid = vol.target.numpy(), vol.valid.numpy()
     channel = {name: k for k, name in enumerate(vol.classes) if name in vol.annotated}
     truth = {n: vol.instance_ids.get(n, target[k]) for n, k in channel.items()}
     valid_by_class = {n: valid[k] for n, k in channel.items()}
     masks = {n: pred[k] for n, k in channel.items()}
     raw = score_crop(masks, truth, valid_by_class, vol.voxel_size)
-    if not post.enabled:
+    if not (post.enabled or post.cuts_affinities(affinities)):
         return raw, None
-    return raw, score_crop(postprocess(masks, vol.voxel_size, post), truth, valid_by_class,
-                           vol.voxel_size)
+    processed = postprocess(masks, vol.voxel_size, post, affinities=affinities)
+    return raw, score_crop(processed, truth, valid_by_class, vol.voxel_size)
 
 
 class SegmentationTask(TaskBase):
@@ -70,6 +74,9 @@ class SegmentationTask(TaskBase):
     def __init__(self, cfg, visuals: SegmentationVisuals | None = None):
         super().__init__(cfg, visuals)
         self._val_cache: dict[int, CropVolume] = {}  # by position in source.val_crops
+        # The model's outputs: the classes, then the affinities of [affinities] (if any).
+        self.affinities = AffinitySpec.from_config(cfg)
+        self.channels = output_channels(cfg.data.classes, self.affinities)
 
     # -- data -----------------------------------------------------------------------------------
 
@@ -86,7 +93,7 @@ class SegmentationTask(TaskBase):
         m = self.cfg.model
         backbone = build_backbone(m.backbone, ndim=m.ndim, in_chans=m.in_chans,
                                   patch_size=m.patch_size, attention=m.attention)
-        return SegmentationModel(backbone, len(self.cfg.data.classes), head=m.head,
+        return SegmentationModel(backbone, len(self.channels), head=m.head,
                                  out_layers=m.backbone_out_layers, head_channels=m.head_channels,
                                  head_image_levels=m.head_image_levels,
                                  freeze_backbone=m.freeze_backbone)
@@ -105,7 +112,10 @@ class SegmentationTask(TaskBase):
         m = self.cfg.model
         shard = context_shard(model)  # the part of every sample the model computes (or None)
         logits = model(batch.image, output_size=batch.target.shape[2:], resize=False)
-        weights = torch.tensor(m.class_weights, device=logits.device) if m.class_weights else None
+        weights = None
+        if m.class_weights:  # affinity channels weigh 1
+            weights = torch.tensor(m.class_weights + [1.0] * len(self.affinities),
+                                   device=logits.device)
         target, valid = local_part(shard, batch.target), local_part(shard, batch.valid)
         return build_loss(m.loss, weights).resized(logits, target.shape[2:], target, valid)
 
@@ -150,9 +160,10 @@ class SegmentationTask(TaskBase):
                 skipped += 1
                 idle += forwards[i]
                 continue
-            prob = predictor.predict_volume(vol.image)
-            pred = (prob > inf.threshold).numpy()
-            raw, processed = score_prediction(pred, vol, post)
+            prob, affinities = split_outputs(predictor.predict_volume(vol.image).numpy(),
+                                             classes, self.affinities)
+            pred = prob > inf.threshold
+            raw, processed = score_prediction(pred, vol, post, affinities)
             per_crop.append(raw)
             if processed is not None:
                 per_crop_post.append(processed)

@@ -177,6 +177,21 @@ def apply_axis_map(x: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+def host_axis_map(arr: np.ndarray, axes: np.ndarray, channels: bool = False) -> np.ndarray:
+    """:func:`apply_axis_map` of one sample on the host: ``arr`` (*spatial), or (C, *spatial)
+    with ``channels``, moved by ``axes`` (2, n) ``[perm, flip]``."""
+    perm, flip = (list(map(int, row)) for row in np.asarray(axes))
+    lead = 1 if channels else 0
+    out = np.transpose(arr, tuple(range(lead)) + tuple(lead + p for p in perm))
+    dims = tuple(lead + m for m, f in enumerate(flip) if f)
+    return np.flip(out, dims) if dims else out
+
+
+def identity_axes(n: int) -> torch.Tensor:
+    """The ``label_axes`` of no move (:func:`axis_map` of a plan without flips or turns)."""
+    return torch.tensor([list(range(n)), [0] * n], dtype=torch.int64)
+
+
 def nearest_from_geometry(arr: np.ndarray, geometry: np.ndarray, out_shape) -> np.ndarray:
     """Nearest-neighbour version of :func:`apply_geometry` for one sample on the host
     (C, *buffer) -> (C, *out_shape); positions outside read 0."""

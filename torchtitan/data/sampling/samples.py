@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -46,7 +46,9 @@ from torch.utils.data import Dataset
 
 from torchtitan.choices import EM_SCALE, PLANES, same_voxel_size
 from torchtitan.config.manager import Augmentation
-from torchtitan.data.sampling.augment import Augmenter, DeviceAugmentation
+from torchtitan.cellmap.affinities import AffinitySpec
+from torchtitan.data.sampling.augment import (Augmenter, DeviceAugmentation, host_axis_map,
+                                             identity_axes)
 from torchtitan.data.batch import Sample
 from torchtitan.data.sources.cellmap import (
     ChunkReadError,
@@ -60,7 +62,9 @@ from torchtitan.cellmap.classes import check_class_names
 from torchtitan.cellmap.grids import ScaleLevel, closest_level, grid_origin_snapped
 from torchtitan.data.sampling.targets import (
     annotates,
+    compose_affinities,
     compose_targets,
+    has_ids,
     groups_to_read,
     read_raw,
     read_target,
@@ -204,10 +208,13 @@ class CropReader:
     segmentation sample reads, and what validation reads of a whole held-out crop (built
     once by the task; no training dataset needed)."""
 
-    def __init__(self, sources: list[EMSource], classes: list[str], voxel_size):
+    def __init__(self, sources: list[EMSource], classes: list[str], voxel_size,
+                 affinities: AffinitySpec | None = None):
         self.by_name = {s.name: s for s in sources}
         self.classes = list(classes)
         self.voxel_size = np.asarray(voxel_size, dtype=float)
+        # Affinity targets after the classes' (training only; validation scores instances).
+        self.affinities = affinities if affinities is not None and len(affinities) else None
 
     def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> SampleArrays:
         """``image`` (1, *shape) (normalised float32, or uint8 with ``raw_em``), ``target``
@@ -228,7 +235,18 @@ class CropReader:
         (spatial ``shape``)."""
         raw = {g: a[0] for g, a in box.labels.items()}
         target, valid = compose_targets(crop, self.classes, raw, shape)
-        return SampleArrays(box.image, valid, target, {}, box.augmentation)
+        augmentation = box.augmentation
+        if self.affinities is not None:
+            if augmentation is not None and augmentation.label_axes is not None:
+                # Label flips left to the device would move a voxel's affinity onto the wrong
+                # pair: make them here, and have the device's identity map only.
+                raw = {g: host_axis_map(a, augmentation.label_axes.numpy()) for g, a in raw.items()}
+                target = host_axis_map(target, augmentation.label_axes.numpy(), channels=True)
+                valid = host_axis_map(valid, augmentation.label_axes.numpy(), channels=True)
+                augmentation = replace(augmentation, label_axes=identity_axes(len(shape)))
+            at, av = compose_affinities(crop, self.affinities, raw, shape)
+            target, valid = np.concatenate([target, at]), np.concatenate([valid, av])
+        return SampleArrays(box.image, valid, target, {}, augmentation)
 
 
 class SampleDataset(Dataset):
@@ -387,11 +405,12 @@ class SegmentationSamples(SampleDataset):
         min_label_fraction: float = 1.0,
         class_balanced: bool = False,
         max_resample: int = 10,
+        affinities: AffinitySpec | None = None,
     ):
         super().__init__(voxel_size, crop_size, seed, augment, augmentation, planes, max_resample)
         self.sources = sources
         self.by_name = {s.name: s for s in sources}
-        self.reader = CropReader(sources, classes, voxel_size)
+        self.reader = CropReader(sources, classes, voxel_size, affinities)
         self.crops = crops
         self.classes = list(classes)
         self.min_label_fraction = float(min_label_fraction)
@@ -400,6 +419,14 @@ class SegmentationSamples(SampleDataset):
             raise DatasetError("no training crops left (check data.val_crops / data.val_fraction)")
         check_class_names(self.classes, {k for s in sources for c in s.crops for k in c.classes}
                           | {k for c in crops for k in c.classes})
+        for cls in (affinities.classes if affinities is not None else ()):
+            if not any(has_ids(c, cls) for c in crops):
+                raise DatasetError(
+                    f"affinities.classes names {cls!r}, but no training crop stores {cls!r} with "
+                    "object ids (a label group of that name whose attributes say "
+                    "'instance_segmentation'; e.g. helpers/import_stack.py --ids "
+                    f"{cls}): affinities need ids to tell objects apart. Import the labels "
+                    "with ids, or remove the class from affinities.classes")
         # Training crops that annotate each class (itself or through its parts).
         self._crops_with = [[i for i, c in enumerate(crops) if annotates(c, cls)]
                             for cls in self.classes]
@@ -507,7 +534,8 @@ def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
     }
     if kind == "segmentation":
         kwargs.update(min_label_fraction=cfg.data.min_label_fraction,
-                      class_balanced=cfg.data.class_balanced)
+                      class_balanced=cfg.data.class_balanced,
+                      affinities=AffinitySpec.from_config(cfg))
     elif kind == "mae":
         kwargs.update(foreground_threshold=cfg.data.foreground_threshold)
     else:

@@ -12,12 +12,18 @@ For each requested class of a crop:
 What a stored value means (absent, present, unknown, instance id) is decided by
 :func:`torchtitan.cellmap.labels.label_to_target` alone: an instance group gives its binary
 mask. The ids themselves are read by :func:`read_instance_ids` for instance evaluation.
+
+Affinity targets (``[affinities]``, :func:`compose_affinities`) come from the object ids of a
+class's own group, when the crop stores that group with ids; elsewhere they are invalid. They
+depend on neighbouring voxels, so they are composed from label values already in the sample's
+frame (after every flip, turn and resampling).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from torchtitan.cellmap.affinities import AffinitySpec, affinities
 from torchtitan.cellmap.classes import atoms
 from torchtitan.cellmap.grids import label_level
 from torchtitan.cellmap.labels import label_to_ids, label_to_target
@@ -115,6 +121,31 @@ def compose_targets(crop: LabelCrop, classes, raw: dict[str, np.ndarray],
             v &= vg
         if len(groups) > 1:  # present in one part: the union is present whatever the others say
             v |= t
+    return target, valid
+
+
+def has_ids(crop: LabelCrop, cls: str) -> bool:
+    """Whether the crop stores ``cls`` as a group of its own with object ids (what affinity
+    targets are made of)."""
+    return cls in crop.id_groups and cls in crop.classes
+
+
+def compose_affinities(crop: LabelCrop, spec: AffinitySpec, raw: dict[str, np.ndarray],
+                       shape) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 0/1 (target, valid) of shape (len(spec), *shape): the affinities of each class of
+    ``spec`` along its offsets (:func:`torchtitan.cellmap.affinities.affinities`), from the
+    stored ids ``raw[cls]``; invalid for a class the crop does not store with ids."""
+    n = len(spec.offsets)
+    target = np.zeros((len(spec), *shape), dtype=np.uint8)
+    valid = np.zeros_like(target)
+    for k, cls in enumerate(spec.classes):
+        if not has_ids(crop, cls):
+            continue
+        values = np.ascontiguousarray(raw[cls])
+        encoding = crop.encoding_of(cls)
+        ids = label_to_ids(values, encoding)
+        affinities(ids, values != encoding.unknown, spec.offsets,
+                   out=(target[k * n:(k + 1) * n], valid[k * n:(k + 1) * n]))
     return target, valid
 
 

@@ -105,6 +105,8 @@ class LabelCrop:
     # The part of the crop whose labels are used, (min, max) corners in nm, or None for all of
     # it (see ``label_slab``); labels outside it read as unknown.
     bounds: tuple[np.ndarray, np.ndarray] | None = None
+    # The groups whose attributes declare object ids (instance segmentation), by name.
+    id_groups: frozenset[str] = frozenset()
     # The context the crop was discovered with: its labels are read through it.
     stores: StoreContext = field(kw_only=True, repr=False, compare=False)
 
@@ -169,6 +171,7 @@ def read_crop(stores: StoreContext, crop_path: str | os.PathLike, dataset: str,
     holds none."""
     classes: dict[str, list[ScaleLevel]] = {}
     encoding: dict[str, LabelEncoding] = {}
+    id_groups = set()
     names = sorted(only) if only is not None else stores.list_dirs(crop_path)
     for name in names:
         class_dir = join(crop_path, name)
@@ -177,9 +180,12 @@ def read_crop(stores: StoreContext, crop_path: str | os.PathLike, dataset: str,
             continue  # not a class group
         classes[name] = read_multiscales(class_dir, stores.read_json)
         encoding[name] = LabelEncoding.from_attrs(attrs)
+        if LabelEncoding.declares_ids(attrs):
+            id_groups.add(name)
     if not classes:
         return None
-    return LabelCrop(name_of(crop_path), dataset, classes, encoding, stores=stores)
+    return LabelCrop(name_of(crop_path), dataset, classes, encoding,
+                     id_groups=frozenset(id_groups), stores=stores)
 
 
 def discover(stores: StoreContext, dataset_path: str | os.PathLike) -> list[EMSource]:

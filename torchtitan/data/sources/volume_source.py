@@ -123,6 +123,12 @@ class SliceSource:
 
     def __init__(self, cfg, labels: bool = True):
         self.cfg = cfg
+        if labels and cfg.affinities.classes:
+            raise DatasetError(
+                f"affinities.classes = {cfg.affinities.classes}: a slices dataset "
+                f"(data.dataset_name = {cfg.data.dataset_name!r}) holds binary masks, not the "
+                "object ids affinities are made of; train on zarr stores with instance ids "
+                "(data.dataset_path), or leave affinities.classes empty")
         if labels:
             self.index, self.train_crops, self.val_crops = load_slice_data(cfg)
             self.reader = SliceReader(self.index, cfg.data.classes)

@@ -1,0 +1,139 @@
+"""Instances from predicted affinities: neurons cut the way connectomics cuts them.
+
+A model with ``[affinities]`` predicts, for each offset, the probability that a voxel and its
+partner at that offset belong to the same object (:mod:`torchtitan.cellmap.affinities`). Two
+cuts turn these into object ids, each with a library the field keeps:
+
+* ``mutex`` (Wolf et al. 2018, ``mwatershed``): every offset is an edge of the voxel graph,
+  weighted ``affinity - threshold`` (``mutex_threshold_nearest`` for face neighbours,
+  ``mutex_threshold_long`` for long-range offsets). Edges are taken in order of decreasing
+  weight magnitude: a positive one joins its two clusters unless a negative one already
+  forbids it (a mutex), a negative one forbids the pair ever being joined. Long-range edges
+  thereby keep two objects apart across a gap in their predicted boundary. No seeds, no
+  threshold on sizes: one pass over the edges.
+* ``agglomerate`` (Funke et al. 2018, ``waterz``): fragments from a watershed of the
+  nearest-neighbour affinities, then the region graph agglomerated hierarchically, always
+  merging the pair of regions with the highest mean affinity along their contact, while that
+  mean is above ``agglomerate_threshold``. Long-range channels are not used.
+
+Both give ids over the whole volume; voxels outside the class's own predicted mask (``inside``)
+get 0, and objects smaller than ``min_object_nm3`` are absorbed by their nearest neighbour, as
+the boundary cut (:mod:`torchtitan.postprocess.neurons`) drops seeds of that size.
+
+Floor 3: numpy, scipy, mwatershed and waterz; of ours the domain's affinity layout and the
+evaluation's relabelling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.ndimage as ndi
+
+from torchtitan.cellmap.affinities import is_nearest
+from torchtitan.choices import AFFINITY_CUTS
+from torchtitan.scoring.metrics import label_instances
+
+def _check(affinities: np.ndarray, offsets: Sequence[Sequence[int]]) -> np.ndarray:
+    affinities = np.asarray(affinities)
+    if affinities.ndim < 3 or affinities.shape[0] != len(offsets):
+        raise ValueError(f"affinities of shape {affinities.shape} for {len(offsets)} offsets: "
+                         "expected (offsets, *spatial)")
+    if any(len(o) != affinities.ndim - 1 for o in offsets):
+        raise ValueError(f"offsets {[tuple(o) for o in offsets]} do not match "
+                         f"{affinities.ndim - 1}-D affinities")
+    return affinities
+
+
+def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
+                    threshold_long: float = 0.5) -> np.ndarray:
+    """Object ids (uint64, 1..) of the mutex watershed of ``affinities`` (C, *spatial)
+    probabilities along ``offsets`` (module docstring)."""
+    import mwatershed
+
+    affinities = _check(affinities, offsets)
+    bias = np.array([threshold_nearest if is_nearest(o) else threshold_long for o in offsets])
+    weights = affinities.astype(np.float64) - bias.reshape(-1, *([1] * (affinities.ndim - 1)))
+    return mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silence what a C++ library prints on the process's standard output (waterz reports
+    every step of its work there)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def agglomerate(affinities, offsets, threshold: float = 0.5) -> np.ndarray:
+    """Object ids (uint64) of watershed fragments of the nearest-neighbour ``affinities``
+    agglomerated while their mean affinity exceeds ``threshold`` (module docstring)."""
+    import waterz
+
+    affinities = _check(affinities, offsets)
+    ndim = affinities.ndim - 1
+    # waterz reads channel d at voxel v as the affinity between v and v - e_d (z, y, x);
+    # ours joins v and v + offset: shift each face-neighbour channel by one along its axis.
+    nearest = np.zeros((3, *affinities.shape[1:]), np.float32)
+    for axis in range(ndim):
+        unit = tuple(int(a == axis) for a in range(ndim))
+        if unit not in [tuple(o) for o in offsets]:
+            raise ValueError(f"agglomeration needs the face-neighbour offset {unit}; the "
+                             f"offsets are {[tuple(o) for o in offsets]}")
+        channel = affinities[[tuple(o) for o in offsets].index(unit)]
+        lead = (slice(None),) * axis
+        nearest[3 - ndim + axis][lead + (slice(1, None),)] = channel[lead + (slice(0, -1),)]
+    if ndim == 2:  # waterz is 3D: one plane, no z affinities
+        nearest = nearest[:, None]
+    with _quiet_stdout():
+        ids = next(iter(waterz.agglomerate(np.ascontiguousarray(nearest),
+                                           thresholds=[float(1.0 - threshold)])))
+    return ids[0] if ndim == 2 else ids
+
+
+def absorb_small(ids: np.ndarray, min_voxels: int) -> np.ndarray:
+    """``ids`` with every object (and background voxel, id 0) of fewer than ``min_voxels``
+    given to the nearest object that is large enough (Euclidean distance in voxels)."""
+    ids = np.asarray(ids)
+    sizes = np.bincount(ids.ravel().astype(np.int64))
+    small = sizes[ids] < max(1, min_voxels)
+    small |= ids == 0
+    if not small.any() or small.all():
+        return ids
+    _, nearest = ndi.distance_transform_edt(small, return_indices=True)
+    return ids[tuple(nearest)]
+
+
+def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=None,
+                       min_object_nm3: float = 0.0, threshold_nearest: float = 0.5,
+                       threshold_long: float = 0.5,
+                       agglomerate_threshold: float = 0.5) -> tuple[np.ndarray, int]:
+    """Instance ids (int32, 1..n) and their count cut from predicted ``affinities`` (C,
+    *spatial) along ``offsets`` by ``method`` (:data:`AFFINITY_CUTS`); 0 outside ``inside``
+    (the class's mask; None: everywhere)."""
+    if method == "mutex":
+        ids = mutex_watershed(affinities, offsets, threshold_nearest, threshold_long)
+    elif method == "agglomerate":
+        ids = agglomerate(affinities, offsets, agglomerate_threshold)
+    else:
+        raise ValueError(f"affinity cut {method!r}: must be one of {', '.join(AFFINITY_CUTS)}")
+    ids, _ = label_instances(ids)  # 1..n, in raster order
+    min_voxels = int(np.ceil(min_object_nm3 / float(np.prod(np.asarray(voxel_size, float)))))
+    ids = absorb_small(ids, min_voxels)
+    if inside is not None:
+        inside = np.asarray(inside, dtype=bool)
+        if inside.shape != ids.shape:
+            raise ValueError(f"affinities {ids.shape} and mask {inside.shape} differ in shape")
+        ids = np.where(inside, ids, 0)
+    return label_instances(ids)
