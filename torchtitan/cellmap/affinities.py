@@ -92,6 +92,11 @@ class AffinitySpec:
     def __len__(self) -> int:
         return len(self.classes) * len(self.offsets)
 
+    def as_config(self) -> dict:
+        """The ``[affinities]`` section that gives this spec on any grid (offsets resolved)."""
+        return {"classes": list(self.classes),
+                "offsets": [":".join(str(v) for v in o) for o in self.offsets]}
+
     def channel_names(self) -> list[str]:
         return [channel_name(c, o) for c in self.classes for o in self.offsets]
 

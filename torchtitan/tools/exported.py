@@ -152,10 +152,11 @@ def add_background_channel(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_network(model: dict, classes: list[str]) -> torch.nn.Module:
+def build_network(model: dict, classes: list[str], affinities: dict | None = None) -> torch.nn.Module:
     """The exported network, untrained: the segmentation model that ``[model]`` (a dict of
-    the run's ``[model]`` section) builds for ``classes``, with SDPA attention, in eval mode
-    on the CPU; with the background channel for the "ce" loss. The architecture of the
+    the run's ``[model]`` section) builds for ``classes`` (and the affinity channels of
+    ``affinities``, a dict of the run's ``[affinities]`` section), with SDPA attention, in eval
+    mode on the CPU; with the background channel for the "ce" loss. The architecture of the
     bioimage.io package's state dict, and what the hub folder's weights load into."""
     from torchtitan.config.manager import JobConfig
     from torchtitan.models import use_attention
@@ -165,6 +166,8 @@ def build_network(model: dict, classes: list[str]) -> torch.nn.Module:
     for key, value in model.items():
         setattr(cfg.model, key, value)
     cfg.data.classes = list(classes)
+    for key, value in (affinities or {}).items():
+        setattr(cfg.affinities, key, value)
     network = SegmentationTask(cfg).build_model()
     use_attention(network, "sdpa")
     network.eval()
@@ -175,7 +178,10 @@ def network_of_config(cfg) -> torch.nn.Module:
     """:func:`build_network` for a run's JobConfig."""
     import dataclasses
 
-    return build_network(dataclasses.asdict(cfg.model), list(cfg.data.classes))
+    from torchtitan.cellmap.affinities import AffinitySpec
+
+    return build_network(dataclasses.asdict(cfg.model), list(cfg.data.classes),
+                         AffinitySpec.from_config(cfg).as_config())
 
 
 class LogitsOf(torch.nn.Module):

@@ -1,0 +1,291 @@
+"""Affinities of instance classes: targets from hand-made id volumes, the loader's samples, the
+two cuts (mutex watershed, agglomeration), and bad input.
+
+Targets (``torchtitan/cellmap/affinities.py``) are checked against a per-voxel loop over the
+rule; samples are drawn from a real store imported from an HDF5 id volume
+(``helpers/import_stack.py --ids``); the cuts run the real ``mwatershed`` and ``waterz`` on
+affinities made from known objects.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+import numpy as np
+import pytest
+import torch
+
+from test_import_h5 import write_h5
+from test_import_stack import imported
+from torchtitan.cellmap.affinities import (AffinitySpec, affinities, channel_name,
+                                           default_offsets, output_channels, split_outputs)
+from torchtitan.config.manager import ConfigManager
+from torchtitan.data.sampling.augment import apply_axis_map, host_axis_map
+from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.sources.volume_source import build_source
+from torchtitan.errors import ConfigError
+from torchtitan.postprocess.affinities import (absorb_small, affinity_instances, agglomerate,
+                                               mutex_watershed)
+from torchtitan.postprocess.masks import PostProcessing, postprocess
+from torchtitan.scoring.metrics import label_instances
+
+UNKNOWN = 255
+
+
+def loop_affinities(ids, known, offset):
+    """The rule voxel by voxel: (target, valid) of one offset."""
+    target = np.zeros(ids.shape, np.uint8)
+    valid = np.zeros(ids.shape, np.uint8)
+    for v in product(*(range(n) for n in ids.shape)):
+        u = tuple(a + o for a, o in zip(v, offset))
+        if not all(0 <= a < n for a, n in zip(u, ids.shape)):
+            continue
+        if known[v] and known[u]:
+            valid[v] = 1
+            target[v] = int(ids[v] == ids[u] and ids[v] != 0)
+    return target, valid
+
+
+def three_objects(shape=(6, 10, 12)) -> np.ndarray:
+    """Ids: two bodies split along x with a wavy face, a third in a corner, some background."""
+    ids = np.full(shape, 2, np.int64)
+    z, y, x = np.indices(shape)
+    ids[x < 5 + (y + z) % 2] = 1
+    ids[:3, :4, 8:] = 3
+    ids[4:, 7:, :2] = 0
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [(0, 0, 1), (1, 0, 0), (0, 3, 0), (0, 0, -2), (2, -1, 1)])
+def test_targets_follow_the_rule_voxel_by_voxel(offset):
+    ids = three_objects()
+    known = np.ones(ids.shape, bool)
+    known[2, 3:6, 4:7] = False  # an unknown patch
+    target, valid = affinities(ids, known, [offset])
+    want_t, want_v = loop_affinities(ids, known, offset)
+    np.testing.assert_array_equal(target[0], want_t)
+    np.testing.assert_array_equal(valid[0], want_v)
+
+
+def test_background_pairs_are_known_and_not_affine_and_far_offsets_are_unknown():
+    ids = np.zeros((4, 5, 6), np.int64)
+    ids[:, :, 3:] = 7
+    target, valid = affinities(ids, np.ones(ids.shape, bool), [(0, 0, 1), (0, 0, 6), (0, 0, 5)])
+    assert target[0, :, :, :2].sum() == 0 and valid[0, :, :, :2].all()  # background: 0, known
+    assert target[0, :, :, 3:5].all() and not target[0, :, :, 2].any()  # the face is cut
+    assert not valid[1].any()  # an offset as long as the box: no partner anywhere
+    assert valid[2, :, :, 0].all() and not valid[2, :, :, 1:].any()
+
+
+def test_2d_targets():
+    ids = three_objects()[0]
+    t, v = affinities(ids, ids >= 0, [(0, 1), (3, 0)])
+    for i, offset in enumerate([(0, 1), (3, 0)]):
+        want_t, want_v = loop_affinities(ids, np.ones(ids.shape, bool), offset)
+        np.testing.assert_array_equal(t[i], want_t)
+        np.testing.assert_array_equal(v[i], want_v)
+
+
+def test_default_offsets_follow_the_grid():
+    iso = default_offsets((10, 10, 10), 3)
+    assert iso[:3] == ((1, 0, 0), (0, 1, 0), (0, 0, 1))
+    assert (9, 0, 0) in iso and (0, 0, 3) in iso and len(iso) == 9
+    # Serial-section EM, 40 nm sections of 4 nm pixels: no long-range z offset that repeats
+    # the nearest one, the long ones in-plane.
+    aniso = default_offsets((40, 4, 4), 3)
+    assert aniso[:3] == iso[:3] and all(o[0] == 0 for o in aniso[3:])
+    # A small window drops offsets of half the window or more.
+    assert (0, 0, 9) not in default_offsets((8, 8, 8), 3, crop_size=(16, 16, 16))
+    assert default_offsets((8, 8, 8), 2) == ((1, 0), (0, 1), (3, 0), (0, 3), (9, 0), (0, 9))
+
+
+def test_channel_layout_has_one_owner():
+    spec = AffinitySpec(("cell",), ((1, 0, 0), (0, 0, 3)))
+    names = output_channels(["pm", "cell"], spec)
+    assert names == ["pm", "cell", channel_name("cell", (1, 0, 0)), "cell_aff_0_0_3"]
+    out = np.arange(4)[:, None]
+    classes, by_class = split_outputs(out, ["pm", "cell"], spec)
+    assert classes.ravel().tolist() == [0, 1]
+    assert by_class["cell"][0].ravel().tolist() == [2, 3] and by_class["cell"][1] == spec.offsets
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_axis_map_is_the_device_map(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.random((2, 4, 4, 4))
+    perm = rng.permutation(3)
+    axes = np.array([perm, rng.integers(0, 2, 3)])
+    device = apply_axis_map(torch.from_numpy(x)[None], torch.from_numpy(axes)[None])[0]
+    np.testing.assert_array_equal(host_axis_map(x, axes, channels=True), device.numpy())
+    np.testing.assert_array_equal(host_axis_map(x[0], axes), device.numpy()[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples from a real store
+# ---------------------------------------------------------------------------------------------
+
+
+def stripes(shape=(16, 16, 16), width: int = 4) -> np.ndarray:
+    """Ids of slabs ``width`` voxels thick along x: a stripe pattern any flip or turn keeps."""
+    return (np.indices(shape)[2] // width + 1).astype(np.uint64)
+
+
+def imported_store(tmp_path, capsys, ids, *flags) -> str:
+    raw = np.random.default_rng(0).integers(1, 255, ids.shape).astype(np.uint8)
+    h5 = write_h5(tmp_path / "vol.h5", {"raw": raw, "ids": ids})
+    out = tmp_path / "data"
+    imported(["--em", f"{h5}:raw", "--labels", f"{h5}:ids", *flags, "--voxel_size", "8,8,8",
+              "--crop", f"crop1=0-{ids.shape[0] - 1}", "--out", out], capsys)
+    return str(out)
+
+
+def config(data: str, *extra: str):
+    return ConfigManager().parse_args([
+        "--job.config_file", "train_configs/debug_segmentation_3d.toml",
+        "--data.dataset_path", data, "--data.classes", "cell", "--data.voxel_size", "8,8,8",
+        "--data.val_crops", "", "--data.val_fraction", "0", "--model.crop_size", "16,16,16",
+        "--affinities.classes", "cell", *extra])
+
+
+@pytest.mark.parametrize("augment", ["--augmentation.flips", "--augmentation.rot90"])
+def test_samples_carry_affinities_made_in_the_sample_frame(tmp_path, capsys, augment):
+    data = imported_store(tmp_path, capsys, stripes(), "--ids", "cell")
+    cfg = config(data, "--affinities.offsets", "1:0:0,0:1:0,0:0:1,0:0:3,0:2:0", augment, "true")
+    ds = build_source(cfg).segmentation_dataset()
+    offsets = AffinitySpec.from_config(cfg).offsets
+    for index in range(6):
+        sample = ds[index]
+        assert sample.target.shape == (1 + len(offsets), 16, 16, 16)
+        target = sample.target[1:].numpy()
+        valid = sample.valid[1:].numpy()
+        # The stripes run across exactly one axis of the sample, whatever the flips and turns.
+        # (16 voxels of 4-voxel stripes: a flipped axis has its faces at the same places.)
+        cut = [a for a in range(3) if not target[a][valid[a] > 0].all()]
+        assert len(cut) == 1
+        ids = np.indices((16, 16, 16))[cut[0]] // 4
+        for k, offset in enumerate(offsets):
+            want_t, want_v = loop_affinities(ids + 1, np.ones(ids.shape, bool), offset)
+            np.testing.assert_array_equal(valid[k], want_v)
+            np.testing.assert_array_equal(target[k], want_t)
+
+
+def test_a_class_stored_without_ids_is_refused(tmp_path, capsys):
+    data = imported_store(tmp_path, capsys, (stripes() > 2).astype(np.uint8), "--class", "cell=1",
+                          "--instances", "none", "--background", "0")
+    cfg = config(data)
+    with pytest.raises(DatasetError, match=r"no training crop stores 'cell' with object ids"):
+        build_source(cfg).segmentation_dataset()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--affinities.offsets", "0:0:16"], "reaches past 'model.crop_size'"),
+    (["--affinities.offsets", "1:0"], "has 2 entries but 'model.ndim' = 3"),
+    (["--affinities.offsets", "1,0,0"], "whole numbers joined by ':'"),
+    (["--affinities.offsets", "0:0:0"], "not all 0"),
+    (["--affinities.classes", "mito"], "'data.classes' does not hold"),
+    (["--model.loss", "ce"], "needs a multi-label loss"),
+    (["--inference.affinity_cut", "agglomerate", "--affinities.offsets", "1:0:0,0:0:3"],
+     "lacks"),
+])
+def test_bad_affinity_settings_name_the_option(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        config("data/none", *flags)
+
+
+def test_offsets_without_classes_are_refused():
+    with pytest.raises(ConfigError, match="has no effect"):
+        ConfigManager().parse_args(["--affinities.offsets", "1:0:0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# From affinities to objects
+# ---------------------------------------------------------------------------------------------
+
+
+def predicted(ids, offsets, noise: float = 0.0, seed: int = 0) -> np.ndarray:
+    """Affinity probabilities of ``ids``: 0.9 within an object, 0.1 across, plus noise."""
+    t, _ = affinities(ids, np.ones(ids.shape, bool), offsets)
+    p = 0.1 + 0.8 * t.astype(np.float64)
+    p += np.random.default_rng(seed).normal(0, noise, p.shape)
+    return np.clip(p, 0, 1)
+
+
+def same_partition(a, b) -> bool:
+    pairs = np.unique(np.stack([a.ravel(), b.ravel()]), axis=1)
+    return len(np.unique(pairs[0])) == pairs.shape[1] == len(np.unique(pairs[1]))
+
+
+NEIGHBOURS = ((1, 0, 0), (0, 1, 0), (0, 0, 1))
+LONG = NEIGHBOURS + ((0, 0, 3), (0, 3, 0), (3, 0, 0))
+
+
+@pytest.mark.parametrize("method", ["mutex", "agglomerate"])
+def test_each_cut_recovers_known_objects(method):
+    ids = three_objects()
+    ids[ids == 0] = 4  # dense, like neuropil
+    aff = predicted(ids, LONG, noise=0.05)
+    out, n = affinity_instances(aff, LONG, method, (8, 8, 8))
+    assert n == 4 and same_partition(out, ids)
+
+
+def test_long_range_edges_keep_objects_apart_where_the_boundary_is_not_seen():
+    """Two slabs whose face-neighbour affinities across their contact are slightly wrong (the
+    model does not see the membrane there): the mutex watershed on face neighbours alone joins
+    them; long-range repulsions, surer, keep them apart."""
+    ids = np.ones((8, 12, 12), np.int64)
+    ids[:, :, 6:] = 2
+    aff = predicted(ids, LONG)
+    aff[3:][aff[3:] < 0.5] = 0.02  # sure: these are two objects
+    aff[LONG.index((0, 0, 1)), :, :, 5] = 0.55  # unsure, on the wrong side of 0.5
+    assert len(np.unique(mutex_watershed(aff[:3], NEIGHBOURS))) == 1
+    assert same_partition(mutex_watershed(aff, LONG), ids)
+
+
+def test_agglomeration_threshold_decides_a_weak_boundary():
+    ids = np.ones((6, 8, 10), np.int64)
+    ids[:, :, 5:] = 2
+    aff = predicted(ids, NEIGHBOURS)
+    aff[2, :, :, 4] = 0.6  # a weak boundary between the two: mean affinity 0.6
+    assert len(np.unique(agglomerate(aff, NEIGHBOURS, threshold=0.5))) == 1
+    assert same_partition(agglomerate(aff, NEIGHBOURS, threshold=0.7), ids)
+
+
+def test_2d_cuts():
+    ids = three_objects()[0]
+    ids[ids == 0] = 4
+    offsets = ((1, 0), (0, 1), (0, 3), (3, 0))
+    for method in ("mutex", "agglomerate"):
+        out, n = affinity_instances(predicted(ids, offsets), offsets, method, (8, 8))
+        assert same_partition(out, ids), method
+
+
+def test_small_objects_are_absorbed_and_outside_the_mask_is_zero():
+    ids = np.ones((6, 8, 10), np.int64)
+    ids[:, :, 5:] = 2
+    ids[2, 3, 2] = 3  # a one-voxel speck inside object 1
+    absorbed = absorb_small(ids, 2)
+    assert absorbed[2, 3, 2] == 1 and len(np.unique(absorbed)) == 2
+    inside = np.ones(ids.shape, bool)
+    inside[0] = False
+    out, n = affinity_instances(predicted(ids, LONG), LONG, "mutex", (10, 10, 10), inside=inside,
+                                min_object_nm3=2000)
+    assert n == 2 and (out[0] == 0).all() and out[2, 3, 2] == out[2, 3, 1]
+
+
+def test_postprocess_takes_the_affinities_of_their_class_unless_told_boundary():
+    ids = np.ones((6, 8, 10), np.int64)
+    ids[:, :, 5:] = 2
+    masks = {"cell": np.ones(ids.shape, bool), "pm": np.zeros(ids.shape, bool)}
+    affs = {"cell": (predicted(ids, LONG), LONG)}
+    on = PostProcessing(affinity_cut="mutex")
+    assert on.cuts_affinities(affs) and not on.enabled
+    assert label_instances(postprocess(masks, (8, 8, 8), on, affinities=affs)["cell"])[1] == 2
+    off = PostProcessing(affinity_cut="boundary")
+    assert not off.cuts_affinities(affs)
+    out = postprocess(masks, (8, 8, 8), off, affinities=affs)["cell"]
+    assert label_instances(out)[1] == 1  # connected components of the mask
