@@ -76,30 +76,35 @@ def _quiet_stdout():
         os.close(saved)
 
 
+def waterz_affinities(affinities: np.ndarray, offsets) -> np.ndarray:
+    """The face-neighbour channels of ``affinities`` (C, *spatial) as waterz reads them:
+    float32 (3, z, y, x), channel d at voxel v the affinity between v and v - e_d (ours joins v
+    and v + offset: each channel moves by one voxel along its axis); a 2D input becomes one
+    plane without z affinities."""
+    ndim = affinities.ndim - 1
+    given = [tuple(int(v) for v in o) for o in offsets]
+    nearest = np.zeros((3, *affinities.shape[1:]), np.float32)
+    for axis in range(ndim):
+        unit = tuple(int(a == axis) for a in range(ndim))
+        if unit not in given:
+            raise ValueError(f"agglomeration needs the face-neighbour offset {unit}; the "
+                             f"offsets are {given}")
+        lead = (slice(None),) * axis
+        nearest[3 - ndim + axis][lead + (slice(1, None),)] = \
+            affinities[given.index(unit)][lead + (slice(0, -1),)]
+    return np.ascontiguousarray(nearest[:, None] if ndim == 2 else nearest)
+
+
 def agglomerate(affinities, offsets, threshold: float = 0.5) -> np.ndarray:
     """Object ids (uint64) of watershed fragments of the nearest-neighbour ``affinities``
     agglomerated while their mean affinity exceeds ``threshold`` (module docstring)."""
     import waterz
 
     affinities = _check(affinities, offsets)
-    ndim = affinities.ndim - 1
-    # waterz reads channel d at voxel v as the affinity between v and v - e_d (z, y, x);
-    # ours joins v and v + offset: shift each face-neighbour channel by one along its axis.
-    nearest = np.zeros((3, *affinities.shape[1:]), np.float32)
-    for axis in range(ndim):
-        unit = tuple(int(a == axis) for a in range(ndim))
-        if unit not in [tuple(o) for o in offsets]:
-            raise ValueError(f"agglomeration needs the face-neighbour offset {unit}; the "
-                             f"offsets are {[tuple(o) for o in offsets]}")
-        channel = affinities[[tuple(o) for o in offsets].index(unit)]
-        lead = (slice(None),) * axis
-        nearest[3 - ndim + axis][lead + (slice(1, None),)] = channel[lead + (slice(0, -1),)]
-    if ndim == 2:  # waterz is 3D: one plane, no z affinities
-        nearest = nearest[:, None]
     with _quiet_stdout():
-        ids = next(iter(waterz.agglomerate(np.ascontiguousarray(nearest),
+        ids = next(iter(waterz.agglomerate(waterz_affinities(affinities, offsets),
                                            thresholds=[float(1.0 - threshold)])))
-    return ids[0] if ndim == 2 else ids
+    return ids[0] if affinities.ndim == 3 else ids
 
 
 def absorb_small(ids: np.ndarray, min_voxels: int) -> np.ndarray:

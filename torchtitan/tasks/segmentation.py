@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +46,13 @@ def most_forwards(count: int, ctx) -> int:
 
 
 def score_prediction(pred: np.ndarray, vol: CropVolume, post: PostProcessing,
-                     affinities: dict | None = None) -> tuple[dict, dict | None]:
+                     affinities: dict | None = None,
+                     timing: dict | None = None) -> tuple[dict, dict | None]:
     """One validation crop's scores (:func:`evaluation.score_crop`) of predicted masks ``pred``
     (C, *spatial; boolean, one channel per ``vol.classes``), raw and after ``post`` (None when
     post-processing is off), which cuts the classes of ``affinities`` (``{class:
-    (probabilities, offsets)}``) from them. What validation and ``bench/`` peers score a crop
-    with."""
+    (probabilities, offsets)}``) from them; ``timing["post_s"]`` adds the seconds the
+    post-processing took. What validation and ``bench/`` peers score a crop with."""
     target, valid = vol.target.numpy(), vol.valid.numpy()
     channel = {name: k for k, name in enumerate(vol.classes) if name in vol.annotated}
     truth = {n: vol.instance_ids.get(n, target[k]) for n, k in channel.items()}
@@ -59,7 +61,10 @@ def score_prediction(pred: np.ndarray, vol: CropVolume, post: PostProcessing,
     raw = score_crop(masks, truth, valid_by_class, vol.voxel_size)
     if not (post.enabled or post.cuts_affinities(affinities)):
         return raw, None
+    start = time.perf_counter()
     processed = postprocess(masks, vol.voxel_size, post, affinities=affinities)
+    if timing is not None:
+        timing["post_s"] = timing.get("post_s", 0.0) + time.perf_counter() - start
     return raw, score_crop(processed, truth, valid_by_class, vol.voxel_size)
 
 

@@ -1,0 +1,136 @@
+"""Neurons of trained runs cut several ways: one prediction per run, every cut scored and timed.
+
+    python bench/neuron_cuts.py --run vit_aff_s0=outputs/neurons/vit_aff_s0 \\
+        --run vit_aff_s1=outputs/neurons/vit_aff_s1 \\
+        --cut "mutex=--inference.affinity_cut mutex" \\
+        --cut "agglomerate=--inference.affinity_cut agglomerate" \\
+        --cut "boundary=--inference.affinity_cut boundary --inference.boundary_instances true"
+
+Trains nothing. Each run's last checkpoint predicts its validation crops once (the run's
+``[inference]`` window plan, as validation does); then each ``--cut`` (flags over the run's
+config, ``[inference]`` options) post-processes that prediction and is scored by validation's
+own code (:func:`torchtitan.tasks.segmentation.score_prediction`: VOI split / merge and ARAND
+of the neurons, the challenge's instance score, boundary IoU), and the cut's post-processing is
+timed. Runs named ``MODEL_s<seed>`` are also averaged per model. ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.cellmap.affinities import AffinitySpec, split_outputs
+from torchtitan.checkpoint.reading import resolve_step_folder
+from torchtitan.config.manager import ConfigManager
+from torchtitan.data.sources.volume_source import build_source
+from torchtitan.inference import VolumePredictor
+from torchtitan.postprocess.masks import PostProcessing
+from torchtitan.scoring.metrics import combine_scores, validation_scores
+from torchtitan.tasks import SegmentationTask
+from torchtitan.tasks.segmentation import score_prediction
+from torchtitan.tools.predictor import load_weights
+
+# (row label, score key, class or None)
+ROWS = (("VOI split", "voi_split", "cell"), ("VOI merge", "voi_merge", "cell"),
+        ("VOI (split + merge)", "voi", "cell"), ("ARAND", "arand", "cell"),
+        ("cell instance score", "instance_score", "cell"), ("IoU pm", "iou", "pm"))
+
+
+def run_config(dump: Path, flags: list[str]):
+    return ConfigManager().parse_args(["--job.config_file", str(dump / "config.toml"), *flags])
+
+
+def predict_run(dump: Path, extra_flags: list[str]) -> tuple[object, list]:
+    """(config, [(crop volume, class probabilities, {class: (affinities, offsets)})])."""
+    cfg = run_config(dump, extra_flags)
+    task = SegmentationTask(cfg)
+    model = task.build_model()
+    load_weights(model, str(resolve_step_folder(dump / cfg.checkpoint.folder)))
+    model.eval()
+    source = build_source(cfg)
+    predictor = VolumePredictor.from_config(model, cfg, torch.device("cpu"))
+    spec = AffinitySpec.from_config(cfg)
+    out = []
+    for crop in source.val_crops:
+        vol = source.read_volume(crop)
+        prob = predictor.predict_volume(vol.image).numpy()
+        classes, affinities = split_outputs(prob, cfg.data.classes, spec)
+        out.append((vol, classes, affinities))
+    return cfg, out
+
+
+def score_cut(dump: Path, predicted: list, cfg, flags: list[str]) -> dict[str, float]:
+    """Validation's post-processed scores of one cut, and its seconds (``time_s``)."""
+    cut_cfg = run_config(dump, flags)
+    post = PostProcessing.from_config(cut_cfg.inference)
+    per_crop, timing = [], {}
+    for vol, prob, affinities in predicted:
+        pred = prob > cut_cfg.inference.threshold
+        per_crop.append(score_prediction(pred, vol, post, affinities, timing)[1])
+    scores = validation_scores(combine_scores(per_crop), list(cfg.data.classes))
+    return {**{k.removeprefix("val/"): v for k, v in scores.items()},
+            "time_s": timing.get("post_s", 0.0)}
+
+
+def table(results: dict[str, dict[str, dict]], cuts: list[str]) -> str:
+    """Markdown: a row per (cut, score), a column per run and per model's mean."""
+    runs = list(results)
+    models: dict[str, list[str]] = {}
+    for r in runs:
+        models.setdefault(re.sub(r"_s\d+$", "", r), []).append(r)
+    means = {m: rs for m, rs in models.items() if len(rs) > 1}
+    header = "| cut | score | " + " | ".join(runs + [f"**{m}, mean**" for m in means]) + " |"
+    lines = [header, "|---" * (2 + len(runs) + len(means)) + "|"]
+    for cut in cuts:
+        for label, key, cls in (*ROWS, ("post-processing s", "time_s", None)):
+            name = f"{key}/{cls}" if cls else key
+            values = [results[r][cut].get(name) for r in runs]
+            cells = [f"{v:.3f}" if v is not None else "-" for v in values]
+            for rs in means.values():
+                got = [results[r][cut].get(name) for r in rs]
+                cells.append(f"**{statistics.fmean(got):.3f}**" if None not in got else "-")
+            lines.append(f"| {cut} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", action="append", required=True, metavar="NAME=DUMP_FOLDER")
+    p.add_argument("--cut", action="append", required=True, metavar="NAME=FLAGS")
+    p.add_argument("--flags", default="", help="flags over every run's config before predicting "
+                                               "(e.g. --data.dataset_path data/medulla)")
+    p.add_argument("--json", type=Path, help="write every score here")
+    args = p.parse_args(argv)
+    cuts = dict(c.split("=", 1) for c in args.cut)
+    results: dict[str, dict[str, dict]] = {}
+    for spec in args.run:
+        name, dump = spec.split("=", 1)
+        dump = Path(dump)
+        t0 = time.perf_counter()
+        cfg, predicted = predict_run(dump, shlex.split(args.flags))
+        print(f"{name}: predicted {len(predicted)} crop(s) in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+        results[name] = {}
+        for cut, flags in cuts.items():
+            results[name][cut] = score_cut(dump, predicted, cfg,
+                                           shlex.split(args.flags) + shlex.split(flags))
+            r = results[name][cut]
+            print(f"  {cut}: VOI {r.get('voi/cell', float('nan')):.3f} ARAND "
+                  f"{r.get('arand/cell', float('nan')):.3f} ({r['time_s']:.1f} s)",
+                  file=sys.stderr, flush=True)
+    print(table(results, list(cuts)))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
