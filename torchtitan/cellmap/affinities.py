@@ -32,6 +32,9 @@ from torchtitan.choices import parse_offset
 
 Offset = tuple[int, ...]
 
+# Stored affinities (predict.py) are uint8: the probability times this.
+STORED_SCALE = 255.0
+
 # Long-range offsets of the default neighbourhood, in voxels of the finest axis: about 3 and 9
 # voxels, enough to span a gap of a few voxels in a membrane while staying well inside a
 # training window of 32 or more voxels.

@@ -50,6 +50,7 @@ from typing import Callable
 import numpy as np
 import scipy.ndimage as ndi
 
+from torchtitan.postprocess.blockwise_affinities import affinity_ids_blockwise
 from torchtitan.postprocess.blockwise_labels import (
     Blocks,
     Components,
@@ -365,14 +366,17 @@ def _replace_s0(group, cls: str) -> None:
 def postprocess_region(group, classes, voxel_size, post: PostProcessing, instances: bool,
                        block, rank: int = 0, world: int = 1,
                        barrier: Callable[[], None] = lambda: None,
-                       halo_nm: float = DEFAULT_HALO_NM) -> dict[str, int]:
+                       halo_nm: float = DEFAULT_HALO_NM,
+                       affinities: dict | None = None) -> dict[str, int]:
     """Post-process a predicted region in place, block by block (module docstring).
 
     ``group``: the region's zarr group (read-write, on every rank); each ``<class>/s0`` holds
     masks (0/1). Every class is cleaned (``post``: small objects, holes); with ``instances``,
     the instance classes become instance ids (uint32): connected components, the watershed,
     or for a class whose membrane is predicted too (``post.membrane``) the neurons that membrane
-    cuts. ``block``: the block shape (whole chunks of ``s0``). Collective over the ranks
+    cuts, or for a class of ``affinities`` (``{class: (reader of (C, *box) probabilities,
+    offsets)}``, unless ``post.affinity_cut`` is "boundary") the objects cut from them
+    (:mod:`torchtitan.postprocess.blockwise_affinities`). ``block``: the block shape (whole chunks of ``s0``). Collective over the ranks
     (``barrier`` waits for all). Scratch data stays in ``<region>/_work`` for the caller to
     delete. Returns ``{class: instances}`` for the classes given ids (on every rank).
     """
@@ -394,7 +398,12 @@ def postprocess_region(group, classes, voxel_size, post: PostProcessing, instanc
     counts = {}
     for cls in classes:
         membrane = post.membrane(cls, classes) if instances else None
-        if instances and cls in INSTANCE_CLASSES:
+        if instances and post.cuts_affinities(affinities) and cls in affinities:
+            read_affinities, offsets = affinities[cls]
+            read = affinity_ids_blockwise(read_affinities, offsets, cleaned[cls], blocks,
+                                          voxel_size, post, ranks, work, cls)
+            dtype = "uint32"
+        elif instances and cls in INSTANCE_CLASSES:
             if membrane is not None:
                 read = boundary_ids(cleaned[cls], cleaned[membrane], cls, blocks, voxel_size,
                                     post, ranks, work, halo_nm)

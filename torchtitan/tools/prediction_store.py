@@ -281,7 +281,7 @@ def prepare_region(root, out: str, region: Region, plan: dict, redo: bool,
     group = root.require_group(region.name)
     group.attrs.update({OWNER_ATTR: True, COMPLETE_ATTR: False, PLAN_ATTR: None})
     reset_progress(out, region.name)
-    for cls in plan["classes"]:
+    for cls in plan["classes"] + plan.get("affinities", []):
         _write_group(root, region, cls, region.voxel_size, plan["dtype"], tuple(plan["chunks"]))
     group.attrs[PLAN_ATTR] = plan  # last: a region cut short before has no plan
 

@@ -16,6 +16,11 @@ Output (OME-NGFF 0.4, zarr format 2), one multiscale group per predicted region 
     PRED.zarr/<region>/<class>/s1..    2x pyramid for viewers (at least 3 levels in all, until
                                        the largest side is <= 64 voxels; --pyramid_levels):
                                        mean of probabilities, mode of masks and ids
+    PRED.zarr/<region>/<class>_aff_<z>_<y>_<x>/s0
+                                       a model with [affinities]: each affinity channel, uint8
+                                       probability x 255 (float32 with --probabilities), no
+                                       pyramid; --instances cuts <class> from them
+                                       (inference.affinity_cut, block by block)
 
 Arrays are chunked 64^3 (viewers fetch them quickly); blocks are whole chunks, so ranks
 never write into the same chunk. Readers (scoring, plots) read ``s0``.
@@ -77,6 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchtitan.cellmap.affinities import STORED_SCALE, AffinitySpec
 from torchtitan.postprocess.blockwise import postprocess_region
 from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.grids import closest_level
@@ -313,7 +319,9 @@ def checkpoint_identity(args) -> str:
 def region_plan(region: Region, cfg, args, settings: InferenceSettings, classes: list[str]) -> dict:
     """Everything a region's blocks depend on (JSON): equal plans give equal blocks."""
     window = tuple(cfg.model.crop_size)
-    buffers = len(classes) * (2 if settings.planes == "zyx" else 1)  # outputs (+ sum)
+    spec = AffinitySpec.from_config(cfg)
+    outputs = len(classes) + len(spec)
+    buffers = outputs * (2 if settings.planes == "zyx" else 1)  # outputs (+ sum)
     block = block_shape_for_budget(region.shape, block_window(window, settings.planes),
                                    buffers, args.max_block_mb * 2**20)
     block, chunks = view_chunking(block, region.shape)
@@ -322,6 +330,7 @@ def region_plan(region: Region, cfg, args, settings: InferenceSettings, classes:
         "dataset": region.source.name, "origin": region.origin, "shape": region.shape,
         "voxel_size": region.voxel_size, "block": block, "chunks": chunks,
         "dtype": "float32" if args.probabilities else "uint8", "classes": classes,
+        "affinities": spec.channel_names(), "offsets": [list(o) for o in spec.offsets],
         "checkpoint": checkpoint_identity(args),
         "inference": {"window": window, "overlap": inf.overlap, "blend": inf.blend,
                       "tta_flips": settings.tta, "planes": settings.planes,
@@ -411,15 +420,22 @@ def predict_region_blocks(predictor: VolumePredictor, out: str, region: Region, 
 
     block = tuple(plan["block"])
     counts = Blocks(plan["shape"], block).counts
-    arrays = {cls: zarr.open_array(f"{out}/{region.name}/{cls}/s0", mode="r+")
-              for cls in plan["classes"]}
+    channels = plan["classes"] + plan.get("affinities", [])
+    arrays = {name: zarr.open_array(f"{out}/{region.name}/{name}/s0", mode="r+")
+              for name in channels}
     threshold = plan["inference"]["threshold"]
+    k_classes = len(plan["classes"])
 
     def write_block(lo, hi, probs):
         box = tuple(slice(l, h) for l, h in zip(lo, hi))
-        for c, cls in enumerate(plan["classes"]):
+        for c, name in enumerate(channels):
             p = probs[c].numpy()
-            arrays[cls][box] = p if threshold is None else (p > threshold).astype(np.uint8)
+            if threshold is None:
+                arrays[name][box] = p
+            elif c < k_classes:
+                arrays[name][box] = (p > threshold).astype(np.uint8)
+            else:  # affinities stay probabilities, in a byte
+                arrays[name][box] = np.rint(p * STORED_SCALE).astype(np.uint8)
         k = int(np.ravel_multi_index(tuple(l // b for l, b in zip(lo, block)), counts))
         mark_block(out, region.name, k)
 
@@ -470,13 +486,16 @@ def finish_region(job: Job, args, region: Region, plan: dict, post: PostProcessi
 
     group = zarr.open_group(f"{args.out}/{region.name}", mode="r+")
     classes, v = plan["classes"], region.voxel_size
+    affinities = stored_affinities(group, plan) if args.instances else {}
     if plan["dtype"] == "uint8" and (args.instances or post.enabled):
         counts = postprocess_region(group, classes, v, post, args.instances, tuple(plan["block"]),
-                                    job.rank, job.world, job.barrier)
+                                    job.rank, job.world, job.barrier, affinities=affinities)
         for cls, n in counts.items():
             if job.rank == 0:
                 how = post.instances if post.membrane(cls, classes) is None else \
                     f"cut by the predicted {post.membrane(cls, classes)}"
+                if post.cuts_affinities(affinities) and cls in affinities:
+                    how = f"cut from its affinities, {post.affinity_cut}"
                 logger.info("%s/%s: %d instances (%s)", region.name, cls, n, how)
     for cls in classes[job.rank::job.world]:  # viewer levels from the finished s0
         write_class_pyramid(group[cls], args.pyramid_levels, v, plan["block"])
@@ -485,6 +504,29 @@ def finish_region(job: Job, args, region: Region, plan: dict, post: PostProcessi
         group.attrs[COMPLETE_ATTR] = True
         remove_scratch(args.out, region.name)
     job.barrier()
+
+
+def stored_affinities(group, plan: dict) -> dict:
+    """``{class: (reader, offsets)}`` of the affinity channels a region's plan holds: the
+    reader gives (C, *box) probabilities of any box (what
+    :func:`torchtitan.postprocess.blockwise.postprocess_region` cuts)."""
+    names = plan.get("affinities", [])
+    if not names:
+        return {}
+    offsets = [tuple(o) for o in plan["offsets"]]
+    out = {}
+    for cls in plan["classes"]:
+        mine = [n for n in names if n.rsplit("_aff_", 1)[0] == cls]
+        if not mine:
+            continue
+        arrays = [group[f"{n}/s0"] for n in mine]
+
+        def read(lo, hi, arrays=arrays):
+            box = tuple(slice(int(l), int(h)) for l, h in zip(lo, hi))
+            return np.stack([np.asarray(a[box]) for a in arrays]).astype(np.float32) / STORED_SCALE
+
+        out[cls] = (read, offsets)
+    return out
 
 
 def write_class_pyramid(group, levels: int, voxel_size, block) -> None:
