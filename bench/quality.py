@@ -132,6 +132,7 @@ def unet_task():
 
 # --------------------------------------------------------------------------- the runs
 REUSE = False  # --reuse: keep the finished runs of the same config (finished_run)
+KEEP_CHECKPOINT = False  # --keep-checkpoint: each run keeps its last step (bench/neuron_cuts.py)
 WALL = "bench_wall_s"  # a run's wall time, beside its config.toml
 
 
@@ -244,10 +245,12 @@ def init_flags(name: str, pretrained: dict[str, Path]) -> list[str]:
 
 def train(name, spec, data, out, nproc, steps, extra=()) -> tuple[float, dict]:
     dump = out / name
+    checkpoint = (["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(steps),
+                   "--checkpoint.keep_latest_k", "1"] if KEEP_CHECKPOINT
+                  else ["--no-checkpoint.enable_checkpoint"])
     wall = launch(name, spec, ["--job.dump_folder", str(dump),
                                "--training.steps", str(steps), "--metrics.eval_freq", "0",
-                               "--no-checkpoint.enable_checkpoint", "--no-metrics.progress_bar",
-                               *extra],
+                               *checkpoint, "--no-metrics.progress_bar", *extra],
                   nproc, out / f"{name}.log", data=data)
     scores = {}
     for r in records(dump):
@@ -518,9 +521,12 @@ def main(argv=None) -> int:
     parser.add_argument("--equal-time", action="store_true",
                         help="at the smallest fraction, also train each scratch MODEL of a "
                              "MODEL@PRETRAIN pair for its pretrained twin's total time")
+    parser.add_argument("--keep-checkpoint", action="store_true",
+                        help="each run keeps the checkpoint of its last step, e.g. to cut its "
+                             "neurons other ways with bench/neuron_cuts.py")
     args = parser.parse_args(argv)
-    global REUSE
-    REUSE = args.reuse
+    global REUSE, KEEP_CHECKPOINT
+    REUSE, KEEP_CHECKPOINT = args.reuse, args.keep_checkpoint
     models = dict(m.split("=", 1) for m in (args.model or DEFAULT_MODELS))
     fractions = parse_fractions(args.label_fractions)
     if args.equal_time and not args.steps:

@@ -43,11 +43,13 @@ from conftest import REPO, debug_run
 README_LINE = re.compile(r"`(pip install [^`]*bioimageio\.core[^`]*)`")
 # What the line must install (distribution names, normalised).
 NEEDED = {"bioimageio-core", "bioimageio-spec", "pydantic", "onnx", "onnxruntime"}
-# In pip's output when it could not reach the package registry (not when a pin is wrong).
+# In pip's output when it could not reach the package registry: its retries' warnings, or, with
+# retries off, no version at all of a distribution (a wrong pin lists the versions there are;
+# a wrong name fails test_readme_line_pins_what_the_test_extra_pins).
 NETWORK_ERRORS = ("NewConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                   "Max retries exceeded", "Temporary failure in name resolution",
                   "Name or service not known", "Network is unreachable", "Connection refused",
-                  "ProxyError", "SSLError", "No route to host")
+                  "ProxyError", "SSLError", "No route to host", "(from versions: none)")
 CACHE = Path(tempfile.gettempdir()) / "torchtitan-em-tests" / "bioimageio-env"
 
 

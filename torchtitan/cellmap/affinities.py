@@ -15,7 +15,7 @@ The rule, in one place (:func:`affinities`), for training targets and tests alik
 
 The channel layout of a segmentation model (:func:`output_channels`): the semantic classes of
 ``data.classes`` first, then, for each class of ``affinities.classes``, one channel per offset
-named ``<class>_aff_<z>_<y>_<x>``. Every consumer (the task's model, the loss, validation,
+named ``<class>_aff_<z>_<y>_<x>`` (:func:`channel_name`). Every consumer (the task's model, the loss, validation,
 prediction and export) takes the layout from here.
 
 Floor 2: numpy only.
@@ -71,8 +71,9 @@ def is_nearest(offset: Sequence[int]) -> bool:
 
 
 def channel_name(cls: str, offset: Sequence[int]) -> str:
-    """The name of the affinity channel of ``cls`` along ``offset``."""
-    return f"{cls}_aff_" + "_".join(str(int(o)) for o in offset)
+    """The name of the affinity channel of ``cls`` along ``offset`` (``m`` for a minus, so that
+    the name is an identifier: ``cell_aff_0_0_1``, ``cell_aff_m1_0_0``)."""
+    return f"{cls}_aff_" + "_".join(str(int(o)).replace("-", "m") for o in offset)
 
 
 @dataclass(frozen=True)

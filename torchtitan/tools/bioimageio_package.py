@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchtitan.cellmap.affinities import AffinitySpec, config_outputs
+
 from torchtitan.choices import EM_SCALE
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.tools import exported
@@ -112,7 +114,7 @@ def output_tensor(v, model: TrainedModel, folder: Path):
     cfg = model.cfg
     ndim, ce = cfg.model.ndim, cfg.model.loss == "ce"
     voxel = list(cfg.data.voxel_size)[3 - ndim:]
-    names = (["background"] if ce else []) + list(cfg.data.classes)
+    names = (["background"] if ce else []) + config_outputs(cfg)
     axes = [v.BatchAxis(), v.ChannelAxis(channel_names=[v.Identifier(n) for n in names])]
     for a, n, s in zip(spatial_axes(ndim), cfg.model.crop_size, voxel):
         size = v.SizeReference(tensor_id=v.TensorId("em"), axis_id=v.AxisId(a))
@@ -126,6 +128,9 @@ def output_tensor(v, model: TrainedModel, folder: Path):
     post = v.SoftmaxDescr(kwargs=v.SoftmaxKwargs(axis=v.AxisId("channel"))) if ce \
         else v.SigmoidDescr()
     what = "softmax over background and classes" if ce else "sigmoid of each class's logit"
+    if len(names) > len(cfg.data.classes) + ce:
+        what += ("; after the classes, the affinity of each voxel with its partner at each "
+                 "offset (channel <class>_aff_<z>_<y>_<x>, 'm' for minus)")
     return v.OutputTensorDescr(
         id=v.TensorId("probabilities"), axes=axes, postprocessing=[post],
         test_tensor=v.FileDescr(source=Path(TEST_OUTPUT)),
@@ -140,7 +145,8 @@ def write_weights(v, model: TrainedModel, folder: Path, opset: int, onnx: bool):
     architecture = v.ArchitectureFromLibraryDescr(
         import_from="torchtitan.tools.exported", callable=v.Identifier("build_network"),
         kwargs={"model": dataclasses.asdict(model.cfg.model),
-                "classes": list(model.cfg.data.classes)})
+                "classes": list(model.cfg.data.classes),
+                "affinities": AffinitySpec.from_config(model.cfg).as_config()})
     weights = {"pytorch_state_dict": v.PytorchStateDictWeightsDescr(
         source=Path(exported.STATE_DICT), architecture=architecture,
         pytorch_version=torch_version)}

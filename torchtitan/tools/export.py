@@ -31,6 +31,7 @@ import shutil
 from pathlib import Path
 
 from torchtitan.config.parsing import config_to_toml
+from torchtitan.cellmap.affinities import config_outputs
 from torchtitan.tools import exported
 from torchtitan.tools.bioimageio_package import write_package
 from torchtitan.tools.exported import ExportError
@@ -82,7 +83,8 @@ def write_hub(model: TrainedModel, card: Card, folder: Path) -> Path:
 
     folder.mkdir()
     save_file(state_dict(model), str(folder / exported.SAFETENSORS),
-              metadata={"format": "pt", "classes": ",".join(model.cfg.data.classes)})
+              metadata={"format": "pt", "classes": ",".join(model.cfg.data.classes),
+                        "outputs": ",".join(config_outputs(model.cfg))})
     (folder / exported.CONFIG).write_text(config_to_toml(model.cfg))
     (folder / exported.CARD).write_text(model_card(model, card, hub=True))
     return folder
