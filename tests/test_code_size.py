@@ -3,10 +3,12 @@
 * no function or method of ``torchtitan/`` has a body over :data:`MAX_FUNCTION_LINES` lines
   (counted from its first statement after the docstring to its end: a long keyword-only
   signature with Meta's names, or a docstring, is not logic to follow);
-* no module of ``torchtitan/`` (the core and its tools) is over :data:`MAX_FILE_LINES` lines.
+* a module of ``torchtitan/`` (the core and its tools) over :data:`LONG_MODULE_LINES` lines is
+  listed in :data:`LONG_MODULES` with the reason it stays one file (and only such modules are).
 
-A function that grows past the limit is split into named steps; a module, where it has two
-jobs. The checks themselves are tested on small synthetic sources.
+A function that grows past the limit is split into named steps; a module is split where it has
+two jobs, not where it crosses a line count, so its length is a prompt to look, not a cap. The
+checks themselves are tested on small synthetic sources.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 80
-MAX_FILE_LINES = 600
+LONG_MODULE_LINES = 800
+# Modules over LONG_MODULE_LINES, each with why it is still one job: path -> reason.
+LONG_MODULES: dict[str, str] = {}
 
 
 def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -46,10 +50,15 @@ def test_no_function_is_longer_than_the_limit():
     assert found == [], f"split these into named steps (<= {MAX_FUNCTION_LINES} lines): {found}"
 
 
-def test_no_module_is_longer_than_the_limit():
-    found = [f"{p.relative_to(REPO)} ({n} lines)" for p in modules()
-             if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
-    assert found == [], f"split these where they have two jobs (<= {MAX_FILE_LINES} lines): {found}"
+def test_long_modules_are_listed_with_their_reason():
+    long = {str(p.relative_to(REPO)): n for p in modules()
+            if (n := len(p.read_text().splitlines())) > LONG_MODULE_LINES}
+    unexplained = [f"{p} ({n} lines)" for p, n in long.items() if p not in LONG_MODULES]
+    assert unexplained == [], (
+        f"over {LONG_MODULE_LINES} lines: split these where they have two jobs, or list them in "
+        f"LONG_MODULES with the reason they are one: {unexplained}")
+    stale = sorted(set(LONG_MODULES) - set(long))
+    assert stale == [], f"LONG_MODULES lists modules no longer that long: {stale}"
 
 
 def test_the_function_check_counts_the_body_only():

@@ -533,12 +533,14 @@ class VolumePredictor:
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg, device: torch.device, *,
                     tta_flips: bool | None = None, planes: str | None = None,
-                    batch_size: int | None = None, **options) -> VolumePredictor:
+                    batch_size: int | None = None, num_outputs: int | None = None,
+                    **options) -> VolumePredictor:
         """The run's ``[inference]`` window plan for ``model``; the keyword arguments override
-        it (``predict.py``'s flags)."""
+        it (``predict.py``'s flags). ``num_outputs``: the model's output channels, when the
+        caller knows them (default: those of the config, classes and affinities)."""
         inf = cfg.inference
         return cls(model, cfg.model.loss, device, tuple(cfg.model.crop_size),
-                   len(config_outputs(cfg)), cfg.model.in_chans, overlap=inf.overlap,
+                   num_outputs or len(config_outputs(cfg)), cfg.model.in_chans, overlap=inf.overlap,
                    blend=inf.blend, batch_size=batch_size or inf.batch_size,
                    tta_flips=inf.tta_flips if tta_flips is None else tta_flips,
                    planes=planes or inf.planes, voxel_size=tuple(cfg.data.voxel_size),

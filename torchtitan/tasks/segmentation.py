@@ -148,7 +148,8 @@ class SegmentationTask(TaskBase):
         classes = list(cfg.data.classes)
         crops = self.source.val_crops
         mine = range(ctx.dp_rank, len(crops), ctx.dp_degree)  # this rank's crops, by position
-        predictor = VolumePredictor.from_config(model, cfg, ctx.device)
+        predictor = VolumePredictor.from_config(model, cfg, ctx.device,
+                                                num_outputs=len(self.channels))
         # Sharded models need the same number of forwards on every rank: count them first.
         forwards = {i: predictor.forward_count(self.source.grid(crops[i])[1]) for i in mine}
         calls = sum(forwards.values())
@@ -165,8 +166,9 @@ class SegmentationTask(TaskBase):
                 skipped += 1
                 idle += forwards[i]
                 continue
-            prob, affinities = split_outputs(predictor.predict_volume(vol.image).numpy(),
-                                             classes, self.affinities)
+            prob, affinities = predictor.predict_volume(vol.image).numpy(), {}
+            if len(self.channels) > len(classes):  # the classes' channels, then the affinities
+                prob, affinities = split_outputs(prob, classes, self.affinities)
             pred = prob > inf.threshold
             raw, processed = score_prediction(pred, vol, post, affinities)
             per_crop.append(raw)
