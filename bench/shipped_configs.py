@@ -7,7 +7,9 @@ on the machine at hand, and prints one PASS/FAIL line per config.
     python bench/shipped_configs.py --data data/demo --dry-run       # print the commands only
     bash bench/gpu_smoke.sh                     # cluster configs on every GPU of a node (NCCL)
 
-What is changed (``reduced_overrides``): the dataset path (the demo data), the dump folder, the
+What is changed (``reduced_overrides``): the dataset path (the demo data; for a config whose
+targets need object ids, ``[affinities]``, a small volume of touching cells with ids imported as
+connectomics ground truth is, :func:`neuron_data`), the dump folder, the
 step count, the backbone (on CPU: the debug size with the same feed-forward type; on GPU the
 shipped one unless ``--backbone debug``), the MAE decoder width (CPU), the crop size (a few
 patches per axis, the patch size kept), the batch size (one sample per process), the loader
@@ -71,6 +73,53 @@ def annotated_classes(data: Path, classes: list[str]) -> list[str]:
     return [c for c in classes if any(annotates(crop, c) for crop in crops)]
 
 
+def needs_ids(config: dict) -> bool:
+    """Whether a config's targets are made of stored object ids (``[affinities]``): it runs on
+    :func:`neuron_data`, not on the demo data, whose classes are masks."""
+    return bool(config.get("affinities", {}).get("classes"))
+
+
+def write_neuron_h5(path: Path, shape=(64, 64, 64), cells: int = 40) -> None:
+    """EM and neuron ids of touching cells (the nearest of random centres: every voxel in a
+    cell, as in dense neuropil; dark membranes where the ids change), 10 nm voxels, laid out
+    as the CREMI challenge's HDF5 files."""
+    import h5py
+    import numpy as np
+    import scipy.ndimage as ndi
+
+    rng = np.random.default_rng(0)
+    centres = np.zeros(shape, np.int32)
+    for k, point in enumerate(rng.integers(0, shape, size=(cells, 3)), start=1):
+        centres[tuple(point)] = k
+    _, (iz, iy, ix) = ndi.distance_transform_edt(centres == 0, return_indices=True)
+    ids = centres[iz, iy, ix].astype(np.uint64) * 1000  # large, sparse ids as stored
+    edge = np.zeros(shape, bool)
+    for axis in range(3):
+        change = np.diff(ids, axis=axis) != 0
+        edge[tuple(slice(None, -1) if a == axis else slice(None) for a in range(3))] |= change
+    em = np.where(edge, 60, 160) + rng.normal(0, 10, shape)
+    with h5py.File(path, "w") as f:
+        raw = f.create_dataset("volumes/raw", data=np.clip(em, 0, 255).astype(np.uint8))
+        labels = f.create_dataset("volumes/labels/neuron_ids", data=ids, compression="gzip")
+        for dataset in (raw, labels):
+            dataset.attrs["resolution"] = [10.0, 10.0, 10.0]
+
+
+def neuron_data(out: Path) -> Path:
+    """A dataset folder made from :func:`write_neuron_h5` by ``helpers/import_stack.py`` as
+    the README imports connectomics ground truth (``cell`` with ids, ``pm`` their boundaries;
+    sections 0-47 ``crop1``, 48-63 ``crop2``, the own-EM configs' validation crop)."""
+    out.mkdir(parents=True, exist_ok=True)
+    h5 = out / "neurons.h5"
+    write_neuron_h5(h5)
+    subprocess.run([sys.executable, str(REPO / "helpers" / "import_stack.py"),
+                    "--em", f"{h5}:volumes/raw", "--labels", f"{h5}:volumes/labels/neuron_ids",
+                    "--ids", "cell", "--boundary", "pm", "--out", str(out / "data"),
+                    "--name", "neurons", "--crop", "crop1=0-47", "--crop", "crop2=48-63"],
+                   check=True, capture_output=True)
+    return out / "data"
+
+
 @dataclass
 class Reduction:
     # "debug": same ffn type, debug size; "small": same ffn type, smallest with 64-wide heads
@@ -126,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo",
                         help="a CellMap-layout dataset folder (default: data/demo; made by "
                              "helpers/make_demo_data.py if missing)")
+    parser.add_argument("--neuron-data", type=Path, default=REPO / "data" / "neurons",
+                        help="where the id volume for configs with [affinities] is made "
+                             "(neuron_data), unless it holds one already")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "shipped_configs",
                         help="dump folders go to OUT/<config name>")
     parser.add_argument("--nproc", type=int, default=0,
@@ -162,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for path in selected:
         dump = args.out / path.stem
-        cmd = command(path, reduced_overrides(path, args.data, dump, nproc, reduction),
-                      nproc)
+        data = args.data
+        if needs_ids(tomllib.loads(path.read_text())):
+            data = args.neuron_data / "data"
+            if not data.exists() and not args.dry_run:
+                neuron_data(args.neuron_data)
+        cmd = command(path, reduced_overrides(path, data, dump, nproc, reduction), nproc)
         if args.dry_run:
             print(f"DRY-RUN {path.name}: {' '.join(cmd)}", flush=True)
             continue

@@ -35,6 +35,14 @@ def demo_data(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def neuron_data(tmp_path_factory) -> Path:
+    """A small volume of touching cells with object ids, imported as connectomics ground truth
+    (``bench/shipped_configs.py`` ``neuron_data``): what configs with ``[affinities]`` train on."""
+    shipped = script_module("bench/shipped_configs.py")
+    return shipped.neuron_data(tmp_path_factory.mktemp("neurons"))
+
+
 SEG2D_FOUR_STEPS = ["--job.config_file", "train_configs/debug_segmentation_2d.toml",
                     "--training.steps", "4", "--metrics.log_freq", "1",
                     "--checkpoint.interval", "2", "--no-metrics.progress_bar"]

@@ -19,34 +19,17 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
-import scipy.ndimage as ndi
 
-from conftest import _env
+from conftest import _env, script_module
 from test_readme_own_em import runnable, section_commands
 
 SECTION = "### Isotropic EM in 3D"
+shipped = script_module("bench/shipped_configs.py")
 
 
 def write_volume(path: Path, shape=(250, 64, 64), cells: int = 60) -> None:
-    """EM and neuron ids of touching cells (nearest of random centres), 10 nm voxels."""
-    import h5py
-
-    rng = np.random.default_rng(0)
-    centres = np.zeros(shape, np.int32)
-    for k, point in enumerate(rng.integers(0, shape, size=(cells, 3)), start=1):
-        centres[tuple(point)] = k
-    _, (iz, iy, ix) = ndi.distance_transform_edt(centres == 0, return_indices=True)
-    ids = centres[iz, iy, ix].astype(np.uint64) * 1000  # large, sparse ids as stored
-    edge = np.zeros(shape, bool)
-    for axis in range(3):
-        change = np.diff(ids, axis=axis) != 0
-        edge[tuple(slice(None, -1) if a == axis else slice(None) for a in range(3))] |= change
-    em = np.where(edge, 60, 160) + rng.normal(0, 10, shape)
-    with h5py.File(path, "w") as f:
-        raw = f.create_dataset("volumes/raw", data=np.clip(em, 0, 255).astype(np.uint8))
-        labels = f.create_dataset("volumes/labels/neuron_ids", data=ids, compression="gzip")
-        for dataset in (raw, labels):
-            dataset.attrs["resolution"] = [10.0, 10.0, 10.0]
+    """EM and neuron ids of touching cells, 10 nm voxels (``bench/shipped_configs.py``)."""
+    shipped.write_neuron_h5(path, shape, cells)
 
 
 def test_section_has_the_commands_it_promises():
@@ -78,7 +61,8 @@ def test_isotropic_em_commands_run_as_written(tmp_path):
     pred = zarr.open_group(str(tmp_path / "outputs/mine3d/pred.zarr"), mode="r")
     ids = pred["crop2/cell/s0"][:]
     assert ids.dtype == np.uint32 and ids.shape == (60, 64, 64)
-    assert "instances (cut by the predicted pm)" in log
+    assert "instances (cut from its affinities, mutex)" in log
+    assert pred["crop2/cell_aff_0_0_1/s0"].dtype == np.uint8  # the affinities, kept
     assert "VOIspl" in log and "ARAND" in log
     links = [unquote(line) for line in log.splitlines() if line.startswith("https://")]
     assert links and "http://localhost:8000/outputs/mine3d/pred.zarr/crop2/cell" in links[0]

@@ -43,11 +43,12 @@ def test_every_config_file_is_covered():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("path", CASES)
-def test_shipped_config_runs(path, demo_data, tmp_path):
+def test_shipped_config_runs(path, demo_data, tmp_path, request):
     config = tomllib.loads(path.read_text())
     dump = tmp_path / "run"
     reduction = Reduction()
-    overrides = reduced_overrides(path, demo_data, dump, 2, reduction)
+    data = request.getfixturevalue("neuron_data") if runner.needs_ids(config) else demo_data
+    overrides = reduced_overrides(path, data, dump, 2, reduction)
     result = subprocess.run(command(path, overrides, 2), cwd=REPO, env=_env(),
                             capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
