@@ -14,8 +14,11 @@ blockwise pipelines use (lsd, volara), spread over the ranks:
    fragments, when they differ; face-neighbour and long-range edges are summed apart, and each
    fragment's voxels are counted. Tables of a few numbers per fragment pair, in files.
 3. **One agglomeration** (rank 0; the graph is small beside the volume): ``mutex``: the graph's
-   mutex watershed (``mwatershed.cluster_edges``) with each edge weighted by its mean affinity
-   minus ``mutex_threshold_nearest`` / ``mutex_threshold_long``; ``agglomerate``: regions merged
+   mutex watershed (``mwatershed.cluster_edges``) across block faces: two fragments of one
+   block stay apart (the block's mutex watershed saw every voxel edge between them), two of
+   different blocks are joined by their mean affinity minus ``mutex_threshold_nearest`` (face
+   neighbours) and kept apart by that minus ``mutex_threshold_long`` (long range), so a region
+   of one block gives the whole-volume result; ``agglomerate``: regions merged
    hierarchically, the pair with the highest mean face-neighbour affinity first, while that mean
    is above ``agglomerate_threshold`` (waterz's mean-affinity rule, here on the graph, since
    waterz merges only within one volume). Then objects under ``min_object_nm3`` join the
@@ -150,11 +153,21 @@ def mean_affinity_agglomeration(nodes: Sequence[int], edges: dict, threshold: fl
     return {int(n): find(int(n)) for n in nodes}
 
 
-def _mutex_graph(nodes, near: dict, far: dict, pp: PostProcessing) -> dict[int, int]:
+def _mutex_graph(nodes, near: dict, far: dict, pp: PostProcessing,
+                 capacity: int) -> dict[int, int]:
+    """The graph's mutex watershed across block faces: two fragments of one block were kept
+    apart by the block's own mutex watershed, which saw every voxel edge between them, so they
+    stay apart (a mutex, taken first); fragments of different blocks, cut apart by the face
+    between them, are joined or kept apart by their mean affinities."""
     import mwatershed
 
-    weighted = [(s / c - pp.mutex_threshold_nearest, u, v) for (u, v), (s, c) in near.items()]
-    weighted += [(s / c - pp.mutex_threshold_long, u, v) for (u, v), (s, c) in far.items()]
+    def block(f: int) -> int:
+        return f // capacity
+
+    weighted, apart = [], 2.0  # above any |affinity - threshold|: taken first
+    for edges, threshold in ((near, pp.mutex_threshold_nearest), (far, pp.mutex_threshold_long)):
+        for (u, v), (s, c) in edges.items():
+            weighted.append((-apart if block(u) == block(v) else s / c - threshold, u, v))
     root = {int(n): int(n) for n in nodes}
     for fragment, segment in mwatershed.cluster_edges(weighted):
         root[int(fragment)] = int(segment)
@@ -266,7 +279,7 @@ def affinity_ids_blockwise(read_affinities: AffinityReader, offsets, inside: Mas
         near, far = _merge_tables(near_parts), _merge_tables(far_parts)
         nodes = sorted(sizes)
         if pp.affinity_cut == "mutex":
-            root = _mutex_graph(nodes, near, far, pp)
+            root = _mutex_graph(nodes, near, far, pp, blocks.capacity)
         else:
             root = mean_affinity_agglomeration(nodes, near, pp.agglomerate_threshold)
         root = _absorb_small(root, sizes, near, min_object_voxels(pp.min_object_nm3, voxel_size))
