@@ -12,6 +12,8 @@ config, ``[inference]`` options) post-processes that prediction and is scored by
 own code (:func:`torchtitan.tasks.segmentation.score_prediction`: VOI split / merge and ARAND
 of the neurons, the challenge's instance score, boundary IoU), and the cut's post-processing is
 timed. Runs named ``MODEL_s<seed>`` are also averaged per model. ``--json`` writes every number.
+``--picture OUT.png`` draws the first run's first crop cut by the first ``--cut``: a few
+sections of EM, the true neurons and the predicted ones (each neuron its own colour).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from torchtitan.cellmap.affinities import AffinitySpec, split_outputs
@@ -32,7 +35,7 @@ from torchtitan.checkpoint.reading import resolve_step_folder
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources.volume_source import build_source
 from torchtitan.inference import VolumePredictor
-from torchtitan.postprocess.masks import PostProcessing
+from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.scoring.metrics import combine_scores, validation_scores
 from torchtitan.tasks import SegmentationTask
 from torchtitan.tasks.segmentation import score_prediction
@@ -67,17 +70,47 @@ def predict_run(dump: Path, extra_flags: list[str]) -> tuple[object, list]:
     return cfg, out
 
 
-def score_cut(dump: Path, predicted: list, cfg, flags: list[str]) -> dict[str, float]:
-    """Validation's post-processed scores of one cut, and its seconds (``time_s``)."""
+def score_cut(dump: Path, predicted: list, cfg, flags: list[str],
+              picture: Path | None = None) -> dict[str, float]:
+    """Validation's post-processed scores of one cut, and its seconds (``time_s``); with
+    ``picture``, the first crop's neurons drawn there."""
     cut_cfg = run_config(dump, flags)
     post = PostProcessing.from_config(cut_cfg.inference)
     per_crop, timing = [], {}
     for vol, prob, affinities in predicted:
         pred = prob > cut_cfg.inference.threshold
         per_crop.append(score_prediction(pred, vol, post, affinities, timing)[1])
+        if picture is not None and "cell" in vol.instance_ids:
+            masks = {n: pred[k] for k, n in enumerate(vol.classes)}
+            cut = postprocess(masks, vol.voxel_size, post, affinities=affinities)["cell"]
+            draw_neurons(picture, vol.image[0].numpy(), vol.instance_ids["cell"], cut)
+            picture = None
     scores = validation_scores(combine_scores(per_crop), list(cfg.data.classes))
     return {**{k.removeprefix("val/"): v for k, v in scores.items()},
             "time_s": timing.get("post_s", 0.0)}
+
+
+def _colours(ids: np.ndarray) -> np.ndarray:
+    """A fixed pseudo-random colour per id (0 black)."""
+    h = (ids.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(2**24)
+    rgb = np.stack([(h >> np.uint64(s)) & np.uint64(255) for s in (16, 8, 0)], -1).astype(np.uint8)
+    rgb = 64 + (rgb.astype(np.uint16) * 3 // 4).astype(np.uint8)
+    rgb[ids == 0] = 0
+    return rgb
+
+
+def draw_neurons(path: Path, em: np.ndarray, truth: np.ndarray, pred: np.ndarray,
+                 sections: int = 3) -> None:
+    """Rows of sections (evenly through z): EM, true neurons, predicted neurons."""
+    from PIL import Image
+
+    zs = np.linspace(0, em.shape[0] - 1, sections + 2)[1:-1].astype(int)
+    grey = np.clip((em + 1) * 127.5, 0, 255).astype(np.uint8)
+    rows = [np.concatenate([np.repeat(grey[z][..., None], 3, -1), _colours(truth[z]),
+                            _colours(pred[z])], axis=1) for z in zs]
+    gap = np.full((4, rows[0].shape[1], 3), 255, np.uint8)
+    image = np.concatenate([r for row in rows for r in (row, gap)][:-1])
+    Image.fromarray(image).save(path)
 
 
 def table(results: dict[str, dict[str, dict]], cuts: list[str]) -> str:
@@ -108,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--flags", default="", help="flags over every run's config before predicting "
                                                "(e.g. --data.dataset_path data/medulla)")
     p.add_argument("--json", type=Path, help="write every score here")
+    p.add_argument("--picture", type=Path, help="PNG of the first run's neurons, first cut")
     args = p.parse_args(argv)
     cuts = dict(c.split("=", 1) for c in args.cut)
     results: dict[str, dict[str, dict]] = {}
@@ -120,8 +154,10 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         results[name] = {}
         for cut, flags in cuts.items():
+            first = len(results) == 1 and cut == next(iter(cuts))  # first run, first cut
+            picture = args.picture if first else None
             results[name][cut] = score_cut(dump, predicted, cfg,
-                                           shlex.split(args.flags) + shlex.split(flags))
+                                           shlex.split(args.flags) + shlex.split(flags), picture)
             r = results[name][cut]
             print(f"  {cut}: VOI {r.get('voi/cell', float('nan')):.3f} ARAND "
                   f"{r.get('arand/cell', float('nan')):.3f} ({r['time_s']:.1f} s)",

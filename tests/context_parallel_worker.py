@@ -39,8 +39,10 @@ def backbone() -> DinoVisionTransformer:
                                  layerscale_init=1.0)
 
 
-# The tasks read only these settings in loss_terms.
-SEGMENTATION = SegmentationTask(SimpleNamespace(model=SimpleNamespace(loss="bce", class_weights=[])))
+# The tasks read only these settings (the segmentation task's outputs, and loss_terms).
+SEGMENTATION = SegmentationTask(SimpleNamespace(
+    model=SimpleNamespace(loss="bce", class_weights=[]), data=SimpleNamespace(classes=["a"]),
+    affinities=SimpleNamespace(classes=[], offsets=[])))
 MAE = MAETask(SimpleNamespace(model=SimpleNamespace(mask_ratio=0.5, patch_size=PATCH,
                                                     norm_pix_loss=True)))
 

@@ -128,13 +128,14 @@ def output_tensor(v, model: TrainedModel, folder: Path):
     post = v.SoftmaxDescr(kwargs=v.SoftmaxKwargs(axis=v.AxisId("channel"))) if ce \
         else v.SigmoidDescr()
     what = "softmax over background and classes" if ce else "sigmoid of each class's logit"
-    if len(names) > len(cfg.data.classes) + ce:
-        what += ("; after the classes, the affinity of each voxel with its partner at each "
-                 "offset (channel <class>_aff_<z>_<y>_<x>, 'm' for minus)")
+    description = f"per-class probabilities ({what})"
+    if len(names) > len(cfg.data.classes) + ce:  # at most 128 characters
+        description = ("sigmoid probabilities of each class, then of the affinities "
+                       "<class>_aff_<z>_<y>_<x> ('m': minus)")
     return v.OutputTensorDescr(
         id=v.TensorId("probabilities"), axes=axes, postprocessing=[post],
         test_tensor=v.FileDescr(source=Path(TEST_OUTPUT)),
-        description=f"per-class probabilities ({what})",
+        description=description,
         data=v.IntervalOrRatioDataDescr(type="float32"))
 
 
