@@ -62,6 +62,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import shlex
 import statistics
 import subprocess
@@ -136,13 +137,19 @@ KEEP_CHECKPOINT = False  # --keep-checkpoint: each run keeps its last step (benc
 WALL = "bench_wall_s"  # a run's wall time, beside its config.toml
 
 
+def model_kind(run: str) -> str:
+    """The model of a run name: without its pretraining (``@NAME``), label fraction
+    (``_f1-16``) and seed (``_s0``), e.g. ``unet3d`` for ``unet3d_f1-16_s1``."""
+    return re.sub(r"(_f\d+-\d+)?(_s\d+)?$", "", run).split("@")[0]
+
+
 def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
            entry_script: str = "train_segmentation.py", data: Path | None = None) -> float:
     """Train one model with torchrun; returns the wall time in seconds. ``data`` is the
     dataset unless the spec's flags name another. With ``--reuse`` a finished run of the
     same config in ``--job.dump_folder`` is kept (its wall time as recorded)."""
     config, *extra = shlex.split(spec)
-    kind = name.split("@")[0]
+    kind = model_kind(name)
     if kind in UNETS:
         entry = [str(Path(__file__).resolve()), "--unet-worker"]
         extra += ["--model.ndim", str(UNETS[kind])]

@@ -117,10 +117,13 @@ def test_in_trainer_unet_row_trains_with_the_trainers_loss(demo_data, tmp_path):
     config = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
               "--data.val_crops jrc_synth-2/crop7 --model.crop_size 64,64")
     out = tmp_path / "quality"
-    quality.main(["--data", str(demo_data), "--out", str(out), "--steps", "2",
+    quality.main(["--data", str(demo_data), "--out", str(out), "--steps", "2", "--seeds", "0",
                   "--model", f"unet2d={config}"])
-    records = quality.records(out / "unet2d")
+    records = quality.records(out / "unet2d_s0")
     assert records[-1]["step"] == 2 and 0 <= records[-1]["val/mean_iou"] <= 1
+    # A run named with its seed is still the U-Net, not the config's ViT.
+    assert "MONAI BasicUNet" in (out / "unet2d_s0.log").read_text()
+    assert quality.model_kind("unet3d@mae_f1-16_s1") == "unet3d"
 
 
 def _volume(shape, classes=("a", "b")) -> CropVolume:
