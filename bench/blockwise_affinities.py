@@ -40,12 +40,15 @@ def channels(region: Path, cls: str) -> tuple[list[str], list[tuple[int, ...]]]:
     """The affinity channel names of ``cls`` in the region's plan, and their offsets."""
     import zarr
 
+    from torchtitan.cellmap.affinities import channel_name
+
     plan = dict(zarr.open_group(str(region), mode="r").attrs).get("prediction_plan") or {}
-    names = [n for n in plan.get("affinities", []) if n.rsplit("_aff_", 1)[0] == cls]
-    if not names:
+    offsets = [tuple(o) for o in plan.get("offsets", [])]
+    names = [channel_name(cls, o) for o in offsets]
+    if not names or not set(names) <= set(plan.get("affinities", [])):
         raise SystemExit(f"{region}: no affinity channels of {cls!r} (predict.py with a model "
                          "that has [affinities], without --instances)")
-    return names, [tuple(o) for o in plan["offsets"]]
+    return names, offsets
 
 
 def settings(config: str | None):

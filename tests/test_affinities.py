@@ -152,14 +152,23 @@ def config(data: str, *extra: str):
         "--affinities.classes", "cell", *extra])
 
 
-@pytest.mark.parametrize("augment", ["--augmentation.flips", "--augmentation.rot90"])
+# The last case leaves EM's resampling and the labels' flips to the device: the label values
+# are then moved on the host before the affinities are made, the device's map is the identity.
+DEVICE_FLIPS = ["--augmentation.rot90", "true", "--augmentation.rotate_deg", "0.001",
+                "--augmentation.resample_on", "device"]
+
+
+@pytest.mark.parametrize("augment", [["--augmentation.flips", "true"],
+                                     ["--augmentation.rot90", "true"], DEVICE_FLIPS])
 def test_samples_carry_affinities_made_in_the_sample_frame(tmp_path, capsys, augment):
     data = imported_store(tmp_path, capsys, stripes(), "--ids", "cell")
-    cfg = config(data, "--affinities.offsets", "1:0:0,0:1:0,0:0:1,0:0:3,0:2:0", augment, "true")
+    cfg = config(data, "--affinities.offsets", "1:0:0,0:1:0,0:0:1,0:0:3,0:2:0", *augment)
     ds = build_source(cfg).segmentation_dataset()
     offsets = AffinitySpec.from_config(cfg).offsets
     for index in range(6):
         sample = ds[index]
+        if augment is DEVICE_FLIPS:
+            assert sample.augmentation.label_axes.tolist() == [[0, 1, 2], [0, 0, 0]]
         assert sample.target.shape == (1 + len(offsets), 16, 16, 16)
         target = sample.target[1:].numpy()
         valid = sample.valid[1:].numpy()

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from torchtitan.cellmap.affinities import is_nearest
-from torchtitan.postprocess.affinities import _quiet_stdout, mutex_watershed
+from torchtitan.postprocess.affinities import agglomerate, mutex_watershed
 from torchtitan.postprocess.blockwise_labels import (Blocks, Ranks, box_slices, fresh_tables,
                                                     inner_slices)
 from torchtitan.postprocess.masks import PostProcessing, min_object_voxels
@@ -57,14 +57,7 @@ def _fragments(affinities: np.ndarray, offsets, pp: PostProcessing) -> np.ndarra
     if pp.affinity_cut == "mutex":
         return mutex_watershed(affinities, offsets, pp.mutex_threshold_nearest,
                                pp.mutex_threshold_long)
-    import waterz
-
-    from torchtitan.postprocess.affinities import waterz_affinities
-
-    with _quiet_stdout():  # threshold 0: the watershed's fragments, nothing merged
-        ids = next(iter(waterz.agglomerate(waterz_affinities(affinities, offsets),
-                                           thresholds=[0.0])))
-    return ids[0] if affinities.ndim == 3 else ids
+    return agglomerate(affinities, offsets, threshold=1.0)  # the fragments, nothing merged
 
 
 def _renumber(frag: np.ndarray, base: int) -> np.ndarray:
@@ -103,7 +96,7 @@ def _merge_tables(parts: list[tuple]) -> dict[tuple[int, int], list[float]]:
     return edges
 
 
-def _union_find(n_hint: int = 0):
+def _union_find():
     parent: dict[int, int] = {}
 
     def find(x: int) -> int:

@@ -82,7 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.cellmap.affinities import STORED_SCALE, AffinitySpec
+from torchtitan.cellmap.affinities import STORED_SCALE, AffinitySpec, channel_name
 from torchtitan.postprocess.blockwise import postprocess_region
 from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.grids import closest_level
@@ -510,14 +510,12 @@ def stored_affinities(group, plan: dict) -> dict:
     """``{class: (reader, offsets)}`` of the affinity channels a region's plan holds: the
     reader gives (C, *box) probabilities of any box (what
     :func:`torchtitan.postprocess.blockwise.postprocess_region` cuts)."""
-    names = plan.get("affinities", [])
-    if not names:
-        return {}
-    offsets = [tuple(o) for o in plan["offsets"]]
+    names = set(plan.get("affinities", []))
+    offsets = [tuple(o) for o in plan.get("offsets", [])]
     out = {}
     for cls in plan["classes"]:
-        mine = [n for n in names if n.rsplit("_aff_", 1)[0] == cls]
-        if not mine:
+        mine = [channel_name(cls, o) for o in offsets]
+        if not offsets or not set(mine) <= names:
             continue
         arrays = [group[f"{n}/s0"] for n in mine]
 

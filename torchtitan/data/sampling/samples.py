@@ -234,16 +234,15 @@ class CropReader:
         """The box with its label values replaced by the targets and validity of the classes
         (spatial ``shape``)."""
         raw = {g: a[0] for g, a in box.labels.items()}
-        target, valid = compose_targets(crop, self.classes, raw, shape)
         augmentation = box.augmentation
+        if self.affinities is not None and augmentation is not None \
+                and augmentation.label_axes is not None:
+            # Label flips left to the device would move a voxel's affinity onto the wrong pair:
+            # the label values are moved here, and the device's map is the identity.
+            raw = {g: host_axis_map(a, augmentation.label_axes.numpy()) for g, a in raw.items()}
+            augmentation = replace(augmentation, label_axes=identity_axes(len(shape)))
+        target, valid = compose_targets(crop, self.classes, raw, shape)
         if self.affinities is not None:
-            if augmentation is not None and augmentation.label_axes is not None:
-                # Label flips left to the device would move a voxel's affinity onto the wrong
-                # pair: make them here, and have the device's identity map only.
-                raw = {g: host_axis_map(a, augmentation.label_axes.numpy()) for g, a in raw.items()}
-                target = host_axis_map(target, augmentation.label_axes.numpy(), channels=True)
-                valid = host_axis_map(valid, augmentation.label_axes.numpy(), channels=True)
-                augmentation = replace(augmentation, label_axes=identity_axes(len(shape)))
             at, av = compose_affinities(crop, self.affinities, raw, shape)
             target, valid = np.concatenate([target, at]), np.concatenate([valid, av])
         return SampleArrays(box.image, valid, target, {}, augmentation)

@@ -142,9 +142,8 @@ def compose_affinities(crop: LabelCrop, spec: AffinitySpec, raw: dict[str, np.nd
         if not has_ids(crop, cls):
             continue
         values = np.ascontiguousarray(raw[cls])
-        encoding = crop.encoding_of(cls)
-        ids = label_to_ids(values, encoding)
-        affinities(ids, values != encoding.unknown, spec.offsets,
+        _, known = label_to_target(values, crop.encoding_of(cls))
+        affinities(label_to_ids(values, crop.encoding_of(cls)), known, spec.offsets,
                    out=(target[k * n:(k + 1) * n], valid[k * n:(k + 1) * n]))
     return target, valid
 
