@@ -3,7 +3,8 @@ peak memory.
 
     python predict.py --checkpoint RUN/checkpoint --dataset medulla --out PRED.zarr
     python bench/blockwise_affinities.py --region PRED.zarr/medulla --class cell \\
-        --block 64,128 --cut mutex,agglomerate [--config RUN/config.toml] [--truth IDS.h5:DATASET]
+        --block 64,128 --cut mutex,mutex_graph,agglomerate [--config RUN/config.toml] \\
+        [--flags "--inference.agglomerate_threshold 0.875"] [--truth IDS.h5:DATASET]
 
 Trains nothing. The region's affinity channels (what ``predict.py`` writes for a model with
 ``[affinities]``: ``<class>_aff_<z>_<y>_<x>/s0``) are cut into objects two ways, each in a
@@ -17,7 +18,8 @@ process of its own whose peak resident memory is read back (``ru_maxrss``):
 Each row gives the share of voxels on which the blockwise ids agree with the whole region's
 once matched one to one (:func:`torchtitan.scoring.neuron_metrics.matching_agreement`), both
 results' VOI and ARAND against ``--truth`` when given, the seconds and the peak memory. The
-cut's settings are the run's ``[inference]`` (``--config``) or the defaults.
+cut's settings are the run's ``[inference]`` (``--config``, with ``--flags`` over it) or the
+defaults.
 """
 
 from __future__ import annotations
@@ -51,13 +53,14 @@ def channels(region: Path, cls: str) -> tuple[list[str], list[tuple[int, ...]]]:
     return names, offsets
 
 
-def settings(config: str | None):
+def settings(config: str | None, flags: str = ""):
+    import shlex
+
     from torchtitan.config.manager import ConfigManager
     from torchtitan.postprocess.masks import PostProcessing
 
-    if not config:
-        return PostProcessing()
-    return PostProcessing.from_config(ConfigManager().parse_args(["--job.config_file", config]).inference)
+    argv = (["--job.config_file", config] if config else []) + shlex.split(flags)
+    return PostProcessing.from_config(ConfigManager().parse_args(argv).inference)
 
 
 def worker(args) -> None:
@@ -76,7 +79,7 @@ def worker(args) -> None:
     arrays = [region[f"{n}/s0"] for n in names]
     shape = arrays[0].shape
     voxel = tuple(dict(region[names[0]].attrs)["voxel_size"])
-    pp = dataclasses.replace(settings(args.config), affinity_cut=args.cut)
+    pp = dataclasses.replace(settings(args.config, args.flags), affinity_cut=args.cut)
     t0 = time.perf_counter()
     if args.worker == "whole":
         aff = np.stack([a[:] for a in arrays]).astype(np.float32) / STORED_SCALE
@@ -111,6 +114,8 @@ def run_worker(args, what: str, cut: str, ids_out: Path) -> dict:
            "--worker", what, "--cut", cut, "--ids-out", str(ids_out)]
     if args.config:
         cmd += ["--config", args.config]
+    if args.flags:
+        cmd += ["--flags", args.flags]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -126,9 +131,13 @@ def main(argv=None) -> int:
     p.add_argument("--region", required=True, help="PRED.zarr/<region> of predict.py")
     p.add_argument("--class", dest="cls", default="cell")
     p.add_argument("--block", default="64", help="block sides, comma-separated")
-    p.add_argument("--cut", default="mutex,agglomerate", help="cuts, comma-separated")
+    p.add_argument("--cut", default="mutex,mutex_graph,agglomerate",
+                   help="cuts, comma-separated")
     p.add_argument("--config", help="a run's config.toml: its [inference] cut settings")
-    p.add_argument("--truth", help="true ids as FILE.h5:DATASET on the region's grid")
+    p.add_argument("--flags", default="", help="config flags over --config, e.g. "
+                   "\"--inference.agglomerate_threshold 0.875\"")
+    p.add_argument("--truth", help="true ids on the region's grid: FILE.h5:DATASET or a zarr "
+                   "array (e.g. an imported crop's cell/s0)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--ids-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -136,12 +145,16 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     truth = None
-    if args.truth:
+    if args.truth and ":" in args.truth:
         import h5py
 
         path, dataset = args.truth.rsplit(":", 1)
         with h5py.File(path, "r") as f:
             truth = np.asarray(f[dataset][:])
+    elif args.truth:
+        import zarr
+
+        truth = zarr.open_array(args.truth, mode="r")[:]
     from torchtitan.scoring.neuron_metrics import matching_agreement, neuron_scores
 
     print("| cut | run | seconds | peak MiB | agreement with whole | VOI split / merge | ARAND |")

@@ -11,7 +11,8 @@ Trains nothing. Each run's last checkpoint predicts its validation crops once (t
 config, ``[inference]`` options) post-processes that prediction and is scored by validation's
 own code (:func:`torchtitan.tasks.segmentation.score_prediction`: VOI split / merge and ARAND
 of the neurons, the challenge's instance score, boundary IoU), and the cut's post-processing is
-timed. Runs named ``MODEL_s<seed>`` are also averaged per model. ``--json`` writes every number.
+timed. Runs named ``MODEL_s<seed>`` are also averaged per model; runs of ``bench/quality.py``'s
+in-trainer U-Net (named ``unet3d...``) are rebuilt as that U-Net. ``--json`` writes every number.
 ``--picture OUT.png`` draws the first run's first crop cut by the first ``--cut``: a few
 sections of EM, the true neurons and the predicted ones (each neuron its own colour).
 """
@@ -51,10 +52,19 @@ def run_config(dump: Path, flags: list[str]):
     return ConfigManager().parse_args(["--job.config_file", str(dump / "config.toml"), *flags])
 
 
-def predict_run(dump: Path, extra_flags: list[str]) -> tuple[object, list]:
+def run_task(name: str):
+    """The task that trained the run ``name``: MONAI's U-Net for the runs ``bench/quality.py``
+    names ``unet2d`` / ``unet3d`` (with their seed suffix), else ours."""
+    from quality import UNETS, model_kind, unet_task
+
+    return unet_task() if model_kind(name) in UNETS else SegmentationTask
+
+
+def predict_run(dump: Path, extra_flags: list[str], task_class=SegmentationTask
+                ) -> tuple[object, list]:
     """(config, [(crop volume, class probabilities, {class: (affinities, offsets)})])."""
     cfg = run_config(dump, extra_flags)
-    task = SegmentationTask(cfg)
+    task = task_class(cfg)
     model = task.build_model()
     load_weights(model, str(resolve_step_folder(dump / cfg.checkpoint.folder)))
     model.eval()
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
         name, dump = spec.split("=", 1)
         dump = Path(dump)
         t0 = time.perf_counter()
-        cfg, predicted = predict_run(dump, shlex.split(args.flags))
+        cfg, predicted = predict_run(dump, shlex.split(args.flags), run_task(name))
         print(f"{name}: predicted {len(predicted)} crop(s) in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
         results[name] = {}

@@ -1,5 +1,5 @@
 """Affinities of instance classes: targets from hand-made id volumes, the loader's samples, the
-two cuts (mutex watershed, agglomeration), and bad input.
+three cuts (mutex watershed of voxels and of fragments, agglomeration), and bad input.
 
 Targets (``torchtitan/cellmap/affinities.py``) are checked against a per-voxel loop over the
 rule; samples are drawn from a real store imported from an HDF5 id volume
@@ -24,8 +24,9 @@ from torchtitan.data.sampling.augment import apply_axis_map, host_axis_map
 from torchtitan.data.sources.cellmap import DatasetError
 from torchtitan.data.sources.volume_source import build_source
 from torchtitan.errors import ConfigError
-from torchtitan.postprocess.affinities import (absorb_small, affinity_instances, agglomerate,
-                                               mutex_watershed)
+from torchtitan.choices import AFFINITY_CUTS
+from torchtitan.postprocess.affinities import (absorb_small, affinity_instances,
+                                               graph_instances, mutex_watershed)
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.scoring.metrics import label_instances
 
@@ -233,7 +234,7 @@ NEIGHBOURS = ((1, 0, 0), (0, 1, 0), (0, 0, 1))
 LONG = NEIGHBOURS + ((0, 0, 3), (0, 3, 0), (3, 0, 0))
 
 
-@pytest.mark.parametrize("method", ["mutex", "agglomerate"])
+@pytest.mark.parametrize("method", AFFINITY_CUTS)
 def test_each_cut_recovers_known_objects(method):
     ids = three_objects()
     ids[ids == 0] = 4  # dense, like neuropil
@@ -260,15 +261,17 @@ def test_agglomeration_threshold_decides_a_weak_boundary():
     ids[:, :, 5:] = 2
     aff = predicted(ids, NEIGHBOURS)
     aff[2, :, :, 4] = 0.6  # a weak boundary between the two: mean affinity 0.6
-    assert len(np.unique(agglomerate(aff, NEIGHBOURS, threshold=0.5))) == 1
-    assert same_partition(agglomerate(aff, NEIGHBOURS, threshold=0.7), ids)
+    assert len(np.unique(graph_instances(aff, NEIGHBOURS, "agglomerate",
+                                         agglomerate_threshold=0.5))) == 1
+    assert same_partition(graph_instances(aff, NEIGHBOURS, "agglomerate",
+                                          agglomerate_threshold=0.7), ids)
 
 
 def test_2d_cuts():
     ids = three_objects()[0]
     ids[ids == 0] = 4
     offsets = ((1, 0), (0, 1), (0, 3), (3, 0))
-    for method in ("mutex", "agglomerate"):
+    for method in AFFINITY_CUTS:
         out, n = affinity_instances(predicted(ids, offsets), offsets, method, (8, 8))
         assert same_partition(out, ids), method
 

@@ -10,11 +10,12 @@ import scipy.ndimage as ndi
 import zarr
 
 from test_affinities import predicted, same_partition
-from torchtitan.postprocess.affinities import affinity_instances
-from torchtitan.postprocess.blockwise_affinities import (affinity_ids_blockwise,
-                                                        mean_affinity_agglomeration)
+from torchtitan.choices import AFFINITY_CUTS
+from torchtitan.postprocess.affinities import affinity_instances, region_graph
+from torchtitan.postprocess.blockwise_affinities import affinity_ids_blockwise
 from torchtitan.postprocess.blockwise_labels import Blocks, Ranks, box_slices
 from torchtitan.postprocess.masks import PostProcessing
+from torchtitan.postprocess.region_graph import mean_affinity_agglomeration
 from torchtitan.scoring.neuron_metrics import matching_agreement
 
 OFFSETS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (3, 0, 0), (0, 3, 0), (0, 0, 3), (0, 0, 9))
@@ -51,17 +52,33 @@ def blockwise(aff, block, pp, path, ranks=None, inside=None) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("cut", ["mutex", "agglomerate"])
+@pytest.mark.parametrize("cut", AFFINITY_CUTS)
 def test_blocks_match_the_whole_volume(region, tmp_path, cut):
+    """The graph cuts give the whole volume's ids exactly (their basins, each cut by the
+    block faces and stitched again, are the whole volume's here: every block's halo reaches
+    across the region); the pixel mutex watershed nearly."""
     ids, aff = region
-    pp = PostProcessing(affinity_cut=cut)
-    whole, n = affinity_instances(aff, OFFSETS, cut, (10, 10, 10))
+    pp = PostProcessing(affinity_cut=cut, min_object_nm3=2e5)  # 200 voxels
+    whole, n = affinity_instances(aff, OFFSETS, cut, (10, 10, 10), min_object_nm3=2e5)
     assert matching_agreement(whole, ids) > 0.98  # the cut itself finds the cells
     one = blockwise(aff, SHAPE, pp, tmp_path / "one")
     many = blockwise(aff, (10, 16, 16), pp, tmp_path / "many")  # 3 x 3 x 3 blocks
-    assert matching_agreement(one, whole) >= 0.99
-    assert matching_agreement(many, whole) >= 0.99
     assert many.max() == len(np.unique(many)) and many.min() >= 1  # numbered 1..n
+    if cut == "mutex":
+        assert matching_agreement(one, whole) >= 0.99
+        assert matching_agreement(many, whole) >= 0.99
+    else:
+        np.testing.assert_array_equal(one, whole)
+        np.testing.assert_array_equal(many, whole)
+        # the graph itself is the whole volume's, bit for bit: the stitched basins, their
+        # names (first voxels), sizes and integer affinity sums
+        graph, _ = region_graph(aff, OFFSETS)
+        kept = np.load(tmp_path / "many" / "_work" / "tables" / "cell.graph" / "graph.npz")
+        np.testing.assert_array_equal(kept["names"], graph.names)
+        np.testing.assert_array_equal(kept["sizes"], graph.sizes)
+        for kind in ("near", "far"):
+            for i, column in enumerate(getattr(graph, kind)):
+                np.testing.assert_array_equal(kept[f"{kind}_{i}"], column)
 
 
 def test_ranks_share_the_work_and_agree(region, tmp_path):
@@ -114,7 +131,7 @@ def test_mask_and_small_objects(region, tmp_path):
 def test_mean_affinity_agglomeration_merges_by_the_mean_of_merged_contacts():
     # a chain 1 - 2 - 3: 1-2 at 0.9 merges first; then {1,2}-3 has the mean of 2-3 (0.6,
     # 10 voxels) and 1-3 (0.2, 10 voxels) = 0.4, below 0.5: it stays apart.
-    edges = {(1, 2): [9.0, 10], (2, 3): [6.0, 10], (1, 3): [2.0, 10]}
+    edges = [(1, 2, 9.0, 10), (2, 3, 6.0, 10), (1, 3, 2.0, 10)]
     root = mean_affinity_agglomeration([1, 2, 3], edges, 0.5)
     assert root[1] == root[2] != root[3]
     root = mean_affinity_agglomeration([1, 2, 3], edges, 0.35)

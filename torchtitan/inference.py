@@ -21,7 +21,9 @@ Options on top of the plain tiling:
 - **Test-time augmentation** (``tta_flips=True``) wraps ``predict``: each window is predicted
   with every combination of flips of its spatial axes (2D: 4, 3D: 8 = the whole group of
   axis flips, so the result is exactly flip-equivariant), each output is flipped back and the
-  probabilities are averaged. The flipped copies go through the model in one forward (the
+  probabilities are averaged. An affinity channel flipped back describes the pair (v, v - o)
+  rather than (v, v + o), so it is shifted back by its offset first (``channel_offsets``,
+  :func:`realign_affinities`). The flipped copies go through the model in one forward (the
   batch grows by 4x or 8x), so the number of forwards, which sharded validation counts, does
   not change; lower ``inference.batch_size`` if that batch does not fit.
 
@@ -44,7 +46,7 @@ from itertools import combinations, product
 import numpy as np
 import torch
 
-from torchtitan.cellmap.affinities import config_outputs
+from torchtitan.cellmap.affinities import AffinitySpec, config_outputs
 from torchtitan.choices import PLANES, is_isotropic
 from torchtitan.models import predict_probabilities
 
@@ -129,20 +131,54 @@ def with_flips(predict: Predict, ndim: int) -> Predict:
     """``predict`` averaged over all 2**ndim flips of the window's spatial axes.
 
     The flipped copies are concatenated into one batch (one forward), each output is flipped
-    back, and the probabilities are averaged.
+    back, and the probabilities are averaged. A ``predict`` with a ``channel_offsets``
+    attribute (per output channel, the offset of an affinity channel, None for a class) has
+    its affinity channels realigned first (:func:`realign_affinities`).
     """
     flips = flip_combinations(ndim)
+    offsets = getattr(predict, "channel_offsets", None)
 
     def predict_flipped(batch: torch.Tensor) -> torch.Tensor:
         n = batch.shape[0]
         out = predict(torch.cat([batch.flip(dims) if dims else batch for dims in flips]))
+        parts = out.split(n)
         total = None
-        for dims, part in zip(flips, out.split(n)):
+        for dims, part in zip(flips, parts):
             part = part.flip(dims) if dims else part
+            if dims and offsets:
+                part = realign_affinities(part, dims, offsets, parts[0])
             total = part.float().clone() if total is None else total.add_(part)
         return total.div_(len(flips))
 
     return predict_flipped
+
+
+def realign_affinities(part: torch.Tensor, dims, offsets, plain: torch.Tensor) -> torch.Tensor:
+    """The affinity channels of an output predicted on a window flipped along ``dims`` and
+    flipped back: channel ``c`` (offset ``o``) holds at voxel v the affinity between v and
+    v - o (the flip reversed the offset), so it is shifted by ``o`` to hold (v, v + o) again.
+    Where v + o leaves the window, and for an offset flipped along some but not all of its
+    axes (a pair of voxels the channel does not describe), ``plain`` (the unflipped output)
+    stands in. ``part`` is changed in place (it is a copy made by the flip)."""
+    for c, o in enumerate(offsets):
+        if o is None:
+            continue
+        moved = [a for a, v in enumerate(o) if v and 2 + a in dims]
+        if not moved:
+            continue
+        shifted = plain[:, c].clone()
+        src = [slice(None)] * (part.ndim - 2)
+        dst = list(src)
+        whole = len(moved) == sum(1 for v in o if v)
+        for a in moved:
+            step, length = int(o[a]), part.shape[2 + a]
+            whole = whole and abs(step) < length
+            src[a] = slice(step, length) if step > 0 else slice(0, length + step)
+            dst[a] = slice(0, length - step) if step > 0 else slice(-step, length)
+        if whole:
+            shifted[(slice(None), *dst)] = part[(slice(None), c, *src)]
+        part[:, c] = shifted
+    return part
 
 
 def on_planes(predict2d: Predict, axis: int) -> Predict:
@@ -528,6 +564,8 @@ class VolumePredictor:
     planes: str = "z"
     voxel_size: tuple[float, ...] | None = None
     bf16: bool = False  # autocast the forward to bfloat16 (predict.py on GPUs)
+    # per output channel: the offset of an affinity channel, None for a class (with_flips)
+    channel_offsets: tuple | None = None
     inference_mode: bool = False  # cheaper than no_grad; only for a model never trained after
 
     @classmethod
@@ -539,8 +577,13 @@ class VolumePredictor:
         it (``predict.py``'s flags). ``num_outputs``: the model's output channels, when the
         caller knows them (default: those of the config, classes and affinities)."""
         inf = cfg.inference
+        outputs = config_outputs(cfg)
+        spec = AffinitySpec.from_config(cfg)
+        if spec.classes and num_outputs in (None, len(outputs)):
+            options.setdefault("channel_offsets", (None,) * len(cfg.data.classes)
+                               + tuple(o for _ in spec.classes for o in spec.offsets))
         return cls(model, cfg.model.loss, device, tuple(cfg.model.crop_size),
-                   num_outputs or len(config_outputs(cfg)), cfg.model.in_chans, overlap=inf.overlap,
+                   num_outputs or len(outputs), cfg.model.in_chans, overlap=inf.overlap,
                    blend=inf.blend, batch_size=batch_size or inf.batch_size,
                    tta_flips=inf.tta_flips if tta_flips is None else tta_flips,
                    planes=planes or inf.planes, voxel_size=tuple(cfg.data.voxel_size),

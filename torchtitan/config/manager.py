@@ -541,16 +541,18 @@ class Inference:
     affinity_cut: str = opt(
         "mutex", "Post-processing of a class with predicted affinities (affinities.classes): "
         "'mutex' (mutex watershed of every offset, long-range ones keeping objects apart), "
+        "'mutex_graph' (the same on the region graph of watershed fragments: predict.py's "
+        "blockwise run gives the whole volume's objects), "
         "'agglomerate' (watershed fragments of the face-neighbour affinities merged while "
         "their mean affinity is above agglomerate_threshold) or 'boundary' (the affinities "
         "are not used: boundary_instances or inference.instances cut the class). "
         "torchtitan/postprocess/affinities.py.", choices=AFFINITY_CUTS + ("boundary",))
     mutex_threshold_nearest: float = opt(
-        0.5, "affinity_cut = 'mutex': a face-neighbour edge joins its voxels where the "
-        "predicted affinity is above this and keeps them apart below it (lower: fewer splits).",
+        0.5, "affinity_cut = 'mutex' or 'mutex_graph': a face-neighbour edge joins its voxels "
+        "(fragments: by their mean) where the predicted affinity is above this and keeps them apart below it (lower: fewer splits).",
         check=FRACTION)
     mutex_threshold_long: float = opt(
-        0.5, "affinity_cut = 'mutex': the same for long-range edges (higher: more splits).",
+        0.5, "affinity_cut = 'mutex' or 'mutex_graph': the same for long-range edges (higher: more splits).",
         check=FRACTION)
     agglomerate_threshold: float = opt(
         0.5, "affinity_cut = 'agglomerate': regions merge while the mean affinity along their "

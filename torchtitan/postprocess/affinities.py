@@ -1,7 +1,7 @@
 """Instances from predicted affinities: neurons cut the way connectomics cuts them.
 
 A model with ``[affinities]`` predicts, for each offset, the probability that a voxel and its
-partner at that offset belong to the same object (:mod:`torchtitan.cellmap.affinities`). Two
+partner at that offset belong to the same object (:mod:`torchtitan.cellmap.affinities`). Three
 cuts turn these into object ids, each with a library the field keeps:
 
 * ``mutex`` (Wolf et al. 2018, ``mwatershed``): every offset is an edge of the voxel graph,
@@ -11,17 +11,26 @@ cuts turn these into object ids, each with a library the field keeps:
   forbids it (a mutex), a negative one forbids the pair ever being joined. Long-range edges
   thereby keep two objects apart across a gap in their predicted boundary. No seeds, no
   threshold on sizes: one pass over the edges.
-* ``agglomerate`` (Funke et al. 2018, ``waterz``): fragments from a watershed of the
-  nearest-neighbour affinities, then the region graph agglomerated hierarchically, always
-  merging the pair of regions with the highest mean affinity along their contact, while that
-  mean is above ``agglomerate_threshold``. Long-range channels are not used.
+* ``mutex_graph``: the same mutex watershed on the region graph of watershed fragments
+  (waterz's basins of the face-neighbour affinities) rather than on voxels: each edge between
+  two fragments weighted by its mean affinity minus the same thresholds.
+* ``agglomerate`` (Funke et al. 2018): the same fragments, then the region graph agglomerated
+  hierarchically, always merging the pair of regions with the highest mean face-neighbour
+  affinity along their contact, while that mean is above ``agglomerate_threshold`` (waterz's
+  rule). Long-range channels are not used.
 
-Both give ids over the whole volume; voxels outside the class's own predicted mask (``inside``)
-get 0, and objects smaller than ``min_object_nm3`` are absorbed by their nearest neighbour, as
-the boundary cut (:mod:`torchtitan.postprocess.neurons`) drops seeds of that size.
+The two graph cuts share their graph and its agglomeration with the blockwise run
+(:mod:`torchtitan.postprocess.region_graph`), which therefore gives their objects block by
+block (:mod:`torchtitan.postprocess.blockwise_affinities`); the pixel ``mutex`` cut decides
+with context wider than any block's halo and is only approximated there.
 
-Floor 3: numpy, scipy, mwatershed and waterz; of ours the domain's affinity layout and the
-evaluation's relabelling.
+All give ids over the whole volume; voxels outside the class's own predicted mask (``inside``)
+get 0. Objects smaller than ``min_object_nm3`` are absorbed, as the boundary cut
+(:mod:`torchtitan.postprocess.neurons`) drops seeds of that size: by their nearest neighbour
+(``mutex``) or by the neighbour they share the highest mean face affinity with (graph cuts).
+
+Floor 3: numpy, scipy, mwatershed and waterz; of ours the domain's affinity layout, the region
+graph and the evaluation's relabelling.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ import scipy.ndimage as ndi
 
 from torchtitan.cellmap.affinities import is_nearest
 from torchtitan.choices import AFFINITY_CUTS
+from torchtitan.postprocess.region_graph import (RegionGraph, agglomerate_graph, block_edges,
+                                                 first_voxels)
 from torchtitan.scoring.metrics import label_instances
 
 def _check(affinities: np.ndarray, offsets: Sequence[Sequence[int]]) -> np.ndarray:
@@ -95,16 +106,51 @@ def waterz_affinities(affinities: np.ndarray, offsets) -> np.ndarray:
     return np.ascontiguousarray(nearest[:, None] if ndim == 2 else nearest)
 
 
-def agglomerate(affinities, offsets, threshold: float = 0.5) -> np.ndarray:
-    """Object ids (uint64) of watershed fragments of the nearest-neighbour ``affinities``
-    agglomerated while their mean affinity exceeds ``threshold`` (module docstring)."""
+def basins(affinities, offsets) -> np.ndarray:
+    """Fragment ids (uint64, 0 = none) of ``affinities`` (C, *spatial): waterz's watershed
+    of the face-neighbour channels, nothing merged."""
     import waterz
 
     affinities = _check(affinities, offsets)
     with _quiet_stdout():
         ids = next(iter(waterz.agglomerate(waterz_affinities(affinities, offsets),
-                                           thresholds=[float(1.0 - threshold)])))
+                                           thresholds=[0.0])))
     return ids[0] if affinities.ndim == 3 else ids
+
+
+def region_graph(affinities, offsets) -> tuple[RegionGraph, np.ndarray]:
+    """The region graph of the whole volume's fragments (:func:`basins`), and the fragments
+    named as the graph names them (int64, 0 = none)."""
+    affinities = _check(affinities, offsets)
+    offsets = [tuple(int(v) for v in o) for o in offsets]
+    fragments = basins(affinities, offsets)
+    shape, origin = fragments.shape, (0,) * fragments.ndim
+    ids, names, sizes = first_voxels(fragments, origin, shape)
+    rename = np.zeros(int(fragments.max()) + 1, np.int64)
+    rename[ids] = names
+    named = rename[fragments]
+    edges = block_edges(named, origin, shape,
+                        lambda lo, hi: named[tuple(slice(a, b) for a, b in zip(lo, hi))],
+                        affinities, offsets, shape)
+    order = np.argsort(names)
+    return RegionGraph(names[order], sizes[order], edges["near"], edges["far"]), named
+
+
+def graph_instances(affinities, offsets, method: str, *, min_voxels: int = 0,
+                    threshold_nearest: float = 0.5, threshold_long: float = 0.5,
+                    agglomerate_threshold: float = 0.5) -> np.ndarray:
+    """Object ids (uint32, 1..n in raster order of their first voxel; 0 where no fragment) of
+    a graph cut (``mutex_graph`` or ``agglomerate``, module docstring) of the whole volume:
+    fragments, their region graph, its agglomeration, small objects absorbed."""
+    graph, named = region_graph(affinities, offsets)
+    number = agglomerate_graph(graph, method, threshold_nearest=threshold_nearest,
+                               threshold_long=threshold_long,
+                               agglomerate_threshold=agglomerate_threshold,
+                               min_voxels=min_voxels)
+    out = np.zeros(named.shape, np.uint32)
+    on = named > 0
+    out[on] = number[np.searchsorted(graph.names, named[on])]
+    return out
 
 
 def absorb_small(ids: np.ndarray, min_voxels: int) -> np.ndarray:
@@ -127,15 +173,17 @@ def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=N
     """Instance ids (int32, 1..n) and their count cut from predicted ``affinities`` (C,
     *spatial) along ``offsets`` by ``method`` (:data:`AFFINITY_CUTS`); 0 outside ``inside``
     (the class's mask; None: everywhere)."""
+    min_voxels = int(np.ceil(min_object_nm3 / float(np.prod(np.asarray(voxel_size, float)))))
     if method == "mutex":
         ids = mutex_watershed(affinities, offsets, threshold_nearest, threshold_long)
-    elif method == "agglomerate":
-        ids = agglomerate(affinities, offsets, agglomerate_threshold)
+        ids, _ = label_instances(ids)  # 1..n, in raster order
+        ids = absorb_small(ids, min_voxels)
+    elif method in AFFINITY_CUTS:
+        ids = graph_instances(affinities, offsets, method, min_voxels=min_voxels,
+                              threshold_nearest=threshold_nearest, threshold_long=threshold_long,
+                              agglomerate_threshold=agglomerate_threshold)
     else:
         raise ValueError(f"affinity cut {method!r}: must be one of {', '.join(AFFINITY_CUTS)}")
-    ids, _ = label_instances(ids)  # 1..n, in raster order
-    min_voxels = int(np.ceil(min_object_nm3 / float(np.prod(np.asarray(voxel_size, float)))))
-    ids = absorb_small(ids, min_voxels)
     if inside is not None:
         inside = np.asarray(inside, dtype=bool)
         if inside.shape != ids.shape:
