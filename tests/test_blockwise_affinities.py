@@ -15,7 +15,7 @@ from torchtitan.postprocess.affinities import affinity_instances, region_graph
 from torchtitan.postprocess.blockwise_affinities import affinity_ids_blockwise
 from torchtitan.postprocess.blockwise_labels import Blocks, Ranks, box_slices
 from torchtitan.postprocess.masks import PostProcessing
-from torchtitan.postprocess.region_graph import mean_affinity_agglomeration
+from torchtitan.postprocess.region_graph import mean_affinity_agglomeration, reduce_edges
 from torchtitan.scoring.neuron_metrics import matching_agreement
 
 OFFSETS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (3, 0, 0), (0, 3, 0), (0, 0, 3), (0, 0, 9))
@@ -137,3 +137,24 @@ def test_mean_affinity_agglomeration_merges_by_the_mean_of_merged_contacts():
     root = mean_affinity_agglomeration([1, 2, 3], edges, 0.35)
     assert root[1] == root[2] == root[3]
     assert same_partition(np.array(list(root.values())), np.array([1, 1, 1]))
+
+
+def test_edge_tables_add_each_pair_once_with_small_or_huge_ids():
+    """reduce_edges against a dictionary, with ids as they are and with ids too large for a
+    pair key (made dense first): the same table."""
+    rng = np.random.default_rng(0)
+    u, v = rng.integers(1, 50, 1000), rng.integers(1, 50, 1000)
+    sums, counts = rng.integers(0, 1 << 24, 1000), np.ones(1000, np.int64)
+    expected: dict[tuple[int, int], int] = {}
+    for a, b, s in zip(u.tolist(), v.tolist(), sums.tolist()):
+        if a != b:
+            key = (min(a, b), max(a, b))
+            expected[key] = expected.get(key, 0) + s
+    small = reduce_edges(u, v, sums, counts)
+    assert list(zip(small[0].tolist(), small[1].tolist())) == sorted(expected)
+    assert small[2].tolist() == [expected[k] for k in sorted(expected)]
+    huge = reduce_edges(u * 10**10, v * 10**10, sums, counts)
+    np.testing.assert_array_equal(huge[0], small[0] * 10**10)
+    np.testing.assert_array_equal(huge[1], small[1] * 10**10)
+    np.testing.assert_array_equal(huge[2], small[2])
+    np.testing.assert_array_equal(huge[3], small[3])

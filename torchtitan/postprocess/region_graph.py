@@ -58,12 +58,22 @@ def reduce_edges(u, v, sums, counts) -> tuple[np.ndarray, ...]:
     u, v, sums, counts = u[keep], v[keep], sums[keep], counts[keep]
     if not len(u):
         return _empty()
-    u, v = np.minimum(u, v), np.maximum(u, v)
-    order = np.lexsort((v, u))
-    u, v, sums, counts = u[order], v[order], sums[order], counts[order]
-    start = np.concatenate([[True], (u[1:] != u[:-1]) | (v[1:] != v[:-1])])
-    first = np.flatnonzero(start)
-    return u[first], v[first], np.add.reduceat(sums, first), np.add.reduceat(counts, first)
+    top = int(max(u.max(), v.max())) + 1
+    if top < 3_000_000_000:  # ids as they are: the pair's key fits in int64
+        nodes, a, b = None, u, v
+    else:  # ids made dense first
+        nodes, dense = np.unique(np.concatenate([u, v]), return_inverse=True)
+        top, dense = len(nodes), dense.ravel()
+        a, b = dense[:len(u)], dense[len(u):]
+    key = np.minimum(a, b) * top + np.maximum(a, b)
+    order = np.argsort(key)  # sums are integers: the order within a pair changes nothing
+    key, sums, counts = key[order], sums[order], counts[order]
+    first = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    key = key[first]
+    u, v = key // top, key % top
+    if nodes is not None:
+        u, v = nodes[u], nodes[v]
+    return u, v, np.add.reduceat(sums, first), np.add.reduceat(counts, first)
 
 
 def concat_tables(tables) -> tuple[np.ndarray, ...]:
@@ -200,16 +210,23 @@ def mutex_graph(graph: RegionGraph, threshold_nearest: float, threshold_long: fl
     v)``: the edges forced apart (a mutex taken before any other). Returns {node: root}."""
     import mwatershed
 
-    weighted = []
+    weights, us, vs = [], [], []
     forced = 2.0  # above any |mean - threshold|: taken first
     for table, threshold in ((graph.near, threshold_nearest), (graph.far, threshold_long)):
         u, v, s, c = table
         w = s / np.maximum(c, 1) / QUANTUM - threshold
         if apart is not None:
             w = np.where(apart(u, v), -forced, w)
-        weighted += zip(w.tolist(), u.tolist(), v.tolist())
+        weights.append(w)
+        us.append(u)
+        vs.append(v)
+    w, u, v = np.concatenate(weights), np.concatenate(us), np.concatenate(vs)
+    # mwatershed.cluster_edges's order (decreasing |weight|, ties in the order given), sorted
+    # here by numpy rather than by Python
+    order = np.argsort(-np.abs(w), kind="stable")
     root = {int(n): int(n) for n in graph.names.tolist()}
-    for fragment, segment in mwatershed.cluster_edges(weighted):
+    for fragment, segment in mwatershed.cluster(
+            list(zip((w[order] > 0).tolist(), u[order].tolist(), v[order].tolist()))):
         root[int(fragment)] = int(segment)
     return root
 
