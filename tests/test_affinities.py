@@ -201,6 +201,11 @@ def test_a_class_stored_without_ids_is_refused(tmp_path, capsys):
     (["--model.loss", "ce"], "needs a multi-label loss"),
     (["--inference.affinity_cut", "agglomerate", "--affinities.offsets", "1:0:0,0:0:3"],
      "lacks"),
+    (["--inference.affinity_cut", "mutex_graph", "--affinities.offsets", "1:0:0,0:1:0"],
+     r"lacks \['0:0:1'\]"),
+    (["--model.ndim", "2", "--model.crop_size", "32,32", "--data.voxel_size", "8,8,8",
+      "--inference.planes", "zyx", "--affinities.offsets", "1:0,0:1"],
+     "affinity channels .* differ between those planes"),
 ])
 def test_bad_affinity_settings_name_the_option(flags, message):
     with pytest.raises(ConfigError, match=message):

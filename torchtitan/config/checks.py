@@ -118,14 +118,20 @@ def _affinity_problems(config) -> list[str]:
                 f"'affinities.offsets' entry {text!r} reaches past 'model.crop_size' = "
                 f"{model.crop_size}: no voxel of a training window would have its partner "
                 "inside it; use offsets shorter than the crop on every axis")
-    if config.inference.affinity_cut == "agglomerate" and aff.offsets:
+    cut = config.inference.affinity_cut
+    if cut in ("agglomerate", "mutex_graph") and aff.offsets:
         units = {tuple(int(a == axis) for a in range(model.ndim)) for axis in range(model.ndim)}
         given = {parse_offset(t) for t in aff.offsets}
         if not units <= given:
             problems.append(
-                f"'inference.affinity_cut' = 'agglomerate' cuts from the face-neighbour "
+                f"'inference.affinity_cut' = {cut!r} cuts fragments from the face-neighbour "
                 f"affinities, but 'affinities.offsets' = {aff.offsets} lacks "
                 f"{sorted(':'.join(map(str, u)) for u in units - given)}; add them")
+    if model.ndim == 2 and config.inference.planes == "zyx":
+        problems.append(
+            f"'inference.planes' = 'zyx' averages a 2D model's outputs on yx, zx and zy planes, "
+            f"but its affinity channels ('affinities.classes' = {aff.classes}) are along its "
+            "own plane's axes, which differ between those planes; use planes = 'z'")
     return problems
 
 
