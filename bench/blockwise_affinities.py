@@ -69,7 +69,7 @@ def worker(args) -> None:
 
     import zarr
 
-    from torchtitan.cellmap.affinities import STORED_SCALE
+    from torchtitan.cellmap.affinities import from_stored
     from torchtitan.postprocess.affinities import affinity_instances
     from torchtitan.postprocess.blockwise_affinities import affinity_ids_blockwise
     from torchtitan.postprocess.blockwise_labels import Blocks, Ranks, box_slices
@@ -82,7 +82,7 @@ def worker(args) -> None:
     pp = dataclasses.replace(settings(args.config, args.flags), affinity_cut=args.cut)
     t0 = time.perf_counter()
     if args.worker == "whole":
-        aff = np.stack([a[:] for a in arrays]).astype(np.float32) / STORED_SCALE
+        aff = np.stack([from_stored(a[:]) for a in arrays])
         ids = affinity_instances(aff, offsets, args.cut, voxel, min_object_nm3=pp.min_object_nm3,
                                  threshold_nearest=pp.mutex_threshold_nearest,
                                  threshold_long=pp.mutex_threshold_long,
@@ -95,7 +95,7 @@ def worker(args) -> None:
 
         def read(lo, hi):
             box = box_slices(lo, hi)
-            return np.stack([a[box] for a in arrays]).astype(np.float32) / STORED_SCALE
+            return np.stack([from_stored(a[box]) for a in arrays])
 
         ids_of = affinity_ids_blockwise(read, offsets, None, blocks, voxel, pp, Ranks(), work,
                                         args.cls)

@@ -62,7 +62,7 @@ def test_isotropic_em_commands_run_as_written(tmp_path):
     ids = pred["crop2/cell/s0"][:]
     assert ids.dtype == np.uint32 and ids.shape == (60, 64, 64)
     assert "instances (cut from its affinities, mutex)" in log
-    assert pred["crop2/cell_aff_0_0_1/s0"].dtype == np.uint8  # the affinities, kept
+    assert pred["crop2/cell_aff_0_0_1/s0"].dtype == np.uint16  # the affinities, kept
     assert "VOIspl" in log and "ARAND" in log
     links = [unquote(line) for line in log.splitlines() if line.startswith("https://")]
     assert links and "http://localhost:8000/outputs/mine3d/pred.zarr/crop2/cell" in links[0]

@@ -32,8 +32,26 @@ from torchtitan.choices import parse_offset
 
 Offset = tuple[int, ...]
 
-# Stored affinities (predict.py) are uint8: the probability times this.
-STORED_SCALE = 255.0
+# Stored affinities (predict.py) are uint16: the probability times 65535. Bytes are too coarse
+# for the cuts, which order edges by their affinity: on the medulla validation crop, affinities
+# rounded to 1/255 raise the neurons' VOI from 1.80 to 2.44 bits (mutex) and from 1.92 to
+# 2.53 (mutex_graph); rounded to 1/65535, 1.80 and 1.93 (BENCHMARKS.md).
+STORED_DTYPE = np.uint16
+
+
+def to_stored(probabilities: np.ndarray) -> np.ndarray:
+    """Affinity probabilities in [0, 1] as stored (:data:`STORED_DTYPE`)."""
+    top = np.iinfo(STORED_DTYPE).max
+    return np.rint(np.asarray(probabilities, np.float32) * top).astype(STORED_DTYPE)
+
+
+def from_stored(values: np.ndarray) -> np.ndarray:
+    """Stored affinities as float32 probabilities: integers of any width by their full scale
+    (stores written with bytes read right too), floats as they are."""
+    values = np.asarray(values)
+    if values.dtype.kind in "ui":
+        return values.astype(np.float32) / np.float32(np.iinfo(values.dtype).max)
+    return values.astype(np.float32)
 
 # Long-range offsets of the default neighbourhood, in voxels of the finest axis: about 3 and 9
 # voxels, enough to span a gap of a few voxels in a membrane while staying well inside a

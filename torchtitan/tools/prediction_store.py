@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan.cellmap.affinities import STORED_DTYPE
 from torchtitan.postprocess.blockwise import WORK
 from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.ome_ngff import create_multiscale_group
@@ -281,8 +282,11 @@ def prepare_region(root, out: str, region: Region, plan: dict, redo: bool,
     group = root.require_group(region.name)
     group.attrs.update({OWNER_ATTR: True, COMPLETE_ATTR: False, PLAN_ATTR: None})
     reset_progress(out, region.name)
-    for cls in plan["classes"] + plan.get("affinities", []):
+    for cls in plan["classes"]:
         _write_group(root, region, cls, region.voxel_size, plan["dtype"], tuple(plan["chunks"]))
+    stored = plan["dtype"] if plan["dtype"] == "float32" else np.dtype(STORED_DTYPE).name
+    for channel in plan.get("affinities", []):
+        _write_group(root, region, channel, region.voxel_size, stored, tuple(plan["chunks"]))
     group.attrs[PLAN_ATTR] = plan  # last: a region cut short before has no plan
 
 

@@ -17,8 +17,8 @@ Output (OME-NGFF 0.4, zarr format 2), one multiscale group per predicted region 
                                        the largest side is <= 64 voxels; --pyramid_levels):
                                        mean of probabilities, mode of masks and ids
     PRED.zarr/<region>/<class>_aff_<z>_<y>_<x>/s0
-                                       a model with [affinities]: each affinity channel, uint8
-                                       probability x 255 (float32 with --probabilities), no
+                                       a model with [affinities]: each affinity channel, uint16
+                                       probability x 65535 (float32 with --probabilities), no
                                        pyramid; --instances cuts <class> from them
                                        (inference.affinity_cut, block by block)
 
@@ -82,7 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.cellmap.affinities import STORED_SCALE, AffinitySpec, channel_name
+from torchtitan.cellmap.affinities import AffinitySpec, channel_name, from_stored, to_stored
 from torchtitan.postprocess.blockwise import postprocess_region
 from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.grids import closest_level
@@ -434,8 +434,8 @@ def predict_region_blocks(predictor: VolumePredictor, out: str, region: Region, 
                 arrays[name][box] = p
             elif c < k_classes:
                 arrays[name][box] = (p > threshold).astype(np.uint8)
-            else:  # affinities stay probabilities, in a byte
-                arrays[name][box] = np.rint(p * STORED_SCALE).astype(np.uint8)
+            else:  # affinities stay probabilities, in 16 bits
+                arrays[name][box] = to_stored(p)
         k = int(np.ravel_multi_index(tuple(l // b for l, b in zip(lo, block)), counts))
         mark_block(out, region.name, k)
 
@@ -521,7 +521,7 @@ def stored_affinities(group, plan: dict) -> dict:
 
         def read(lo, hi, arrays=arrays):
             box = tuple(slice(int(l), int(h)) for l, h in zip(lo, hi))
-            return np.stack([np.asarray(a[box]) for a in arrays]).astype(np.float32) / STORED_SCALE
+            return np.stack([from_stored(a[box]) for a in arrays])
 
         out[cls] = (read, offsets)
     return out
