@@ -15,6 +15,9 @@ process of its own whose peak resident memory is read back (``ru_maxrss``):
 * **blocks of B**: :func:`torchtitan.postprocess.blockwise_affinities.affinity_ids_blockwise`,
   the path of ``predict.py --instances``, reading and writing B^3 blocks from zarr.
 
+``--bytes`` rounds the affinities to 1/255 before cutting (what a store of bytes held);
+``--basin-halo H`` gives the graph cuts' blocks H voxels of context for their basins.
+
 Each row gives the share of voxels on which the blockwise ids agree with the whole region's
 once matched one to one (:func:`torchtitan.scoring.neuron_metrics.matching_agreement`), both
 results' VOI and ARAND against ``--truth`` when given, the seconds and the peak memory. The
@@ -69,11 +72,18 @@ def worker(args) -> None:
 
     import zarr
 
-    from torchtitan.cellmap.affinities import from_stored
+    from torchtitan.cellmap.affinities import from_stored as stored
+    from torchtitan.postprocess import blockwise_affinities
     from torchtitan.postprocess.affinities import affinity_instances
     from torchtitan.postprocess.blockwise_affinities import affinity_ids_blockwise
     from torchtitan.postprocess.blockwise_labels import Blocks, Ranks, box_slices
 
+    def from_stored(values):
+        a = stored(values)
+        return np.rint(a * 255) / np.float32(255) if args.bytes else a
+
+    if args.basin_halo is not None:
+        blockwise_affinities.BASIN_HALO = args.basin_halo
     region = zarr.open_group(args.region, mode="r")
     names, offsets = channels(Path(args.region), args.cls)
     arrays = [region[f"{n}/s0"] for n in names]
@@ -116,6 +126,10 @@ def run_worker(args, what: str, cut: str, ids_out: Path) -> dict:
         cmd += ["--config", args.config]
     if args.flags:
         cmd += ["--flags", args.flags]
+    if args.bytes:
+        cmd += ["--bytes"]
+    if args.basin_halo is not None:
+        cmd += ["--basin-halo", str(args.basin_halo)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -138,6 +152,10 @@ def main(argv=None) -> int:
                    "\"--inference.agglomerate_threshold 0.875\"")
     p.add_argument("--truth", help="true ids on the region's grid: FILE.h5:DATASET or a zarr "
                    "array (e.g. an imported crop's cell/s0)")
+    p.add_argument("--bytes", action="store_true",
+                   help="round the affinities to 1/255 first (as stores of bytes held them)")
+    p.add_argument("--basin-halo", type=int, help="voxels of context for a block's basins "
+                   "(default: blockwise_affinities.BASIN_HALO)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--ids-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

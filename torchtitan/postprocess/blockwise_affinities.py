@@ -28,14 +28,15 @@ blockwise pipelines use (lsd, volara), spread over the ranks:
 **Which cuts match the whole volume.** The graph cuts agree with the whole-volume run wherever
 the stitched basins agree with the whole volume's basins: the graph is then the same bit for
 bit (:mod:`torchtitan.postprocess.region_graph`), and so are the objects. A watershed basin
-depends on the affinities near it only: with the :data:`BASIN_HALO` of context, a block's
-basins agree with the whole volume's on all but a few voxels in ten thousand on real EM
-predictions (BENCHMARKS.md). The pixel ``mutex`` cut has no such locality: its decisions near
-a block's face depend on edges far beyond any halo (on the medulla validation crop, a block's
-own cut agrees with the whole volume's on 94 % of its core even with a 32-voxel halo), so its
-blockwise result is an approximation; choose ``mutex_graph`` where blockwise ids must be the
-whole volume's. Every step writes its own output and is repeated whole when run again, so a
-killed run is simply run again.
+depends on the affinities near it only: with :data:`BASIN_HALO` voxels of context, blocks of
+32^3 to 128^3 give the whole medulla validation crop's objects exactly (BENCHMARKS.md). The
+pixel ``mutex`` cut has no such locality: its decisions near a block's face depend on edges
+far beyond any halo, and there 70-90 % of the voxels keep their whole-volume object; choose
+``mutex_graph`` where blockwise ids must be the whole volume's. The price of the graph cuts is
+step 3's memory: basins are small (about nine voxels on the medulla model, three graph edges
+per voxel), so the graph that one process agglomerates grows with the region, where the pixel
+cut's memory is set by the block. Every step writes its own output and is repeated whole when
+run again, so a killed run is simply run again.
 
 Floor 3: numpy, scipy, zarr, mwatershed and waterz, beside :mod:`torchtitan.postprocess.blockwise`.
 """
