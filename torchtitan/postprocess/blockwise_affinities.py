@@ -59,10 +59,10 @@ from torchtitan.postprocess.region_graph import (RegionGraph, agglomerate_graph,
 AffinityReader = Callable[[tuple, tuple], np.ndarray]  # (lo, hi) -> (C, *box) in [0, 1]
 MaskReader = Callable[[tuple, tuple], np.ndarray]
 
-# Voxels of context for a block's watershed basins. Measured on the medulla validation crop's
-# predicted affinities (blocks of 64^3): a block's basins agree with the whole volume's on
-# 97.5 % of its core with no halo, 99.59 % with 9 voxels and 99.98 % with 24; stitched, the
-# objects are the whole volume's from 16 voxels on (bench/blockwise_affinities.py).
+# Voxels of context for a block's watershed basins, beyond which a basin is taken to be
+# decided. On the medulla validation crop's predicted affinities the stitched basins give the
+# whole crop's objects with the offsets' own reach (9 voxels) already (BENCHMARKS.md); 24 is a
+# margin for affinities with wider plateaus.
 BASIN_HALO = 24
 TABLES = ("near", "far")
 
