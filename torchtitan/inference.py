@@ -46,7 +46,7 @@ from itertools import combinations, product
 import numpy as np
 import torch
 
-from torchtitan.cellmap.affinities import AffinitySpec, config_outputs
+from torchtitan.cellmap.affinities import AffinitySpec, channel_offsets, config_outputs
 from torchtitan.choices import PLANES, is_isotropic
 from torchtitan.models import predict_probabilities
 
@@ -580,8 +580,7 @@ class VolumePredictor:
         outputs = config_outputs(cfg)
         spec = AffinitySpec.from_config(cfg)
         if spec.classes and num_outputs in (None, len(outputs)):
-            options.setdefault("channel_offsets", (None,) * len(cfg.data.classes)
-                               + tuple(o for _ in spec.classes for o in spec.offsets))
+            options.setdefault("channel_offsets", channel_offsets(cfg.data.classes, spec))
         return cls(model, cfg.model.loss, device, tuple(cfg.model.crop_size),
                    num_outputs or len(outputs), cfg.model.in_chans, overlap=inf.overlap,
                    blend=inf.blend, batch_size=batch_size or inf.batch_size,

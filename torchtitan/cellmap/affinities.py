@@ -133,6 +133,11 @@ def output_channels(classes: Sequence[str], spec: AffinitySpec) -> list[str]:
     return [*classes, *spec.channel_names()]
 
 
+def channel_offsets(classes: Sequence[str], spec: AffinitySpec) -> tuple:
+    """Per output channel of :func:`output_channels`: its offset, None for a class's mask."""
+    return (None,) * len(classes) + tuple(o for _ in spec.classes for o in spec.offsets)
+
+
 def config_outputs(cfg) -> list[str]:
     """The output channels of the segmentation model of a JobConfig."""
     return output_channels(cfg.data.classes, AffinitySpec.from_config(cfg))

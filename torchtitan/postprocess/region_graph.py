@@ -231,6 +231,14 @@ def mutex_graph(graph: RegionGraph, threshold_nearest: float, threshold_long: fl
     return root
 
 
+def _touch(contact: dict, a: int, b: int, s: int, c: int) -> None:
+    """Add a contact of affinity sum ``s`` over ``c`` voxel pairs between objects a and b."""
+    for x, y in ((a, b), (b, a)):
+        e = contact.setdefault(x, {}).setdefault(y, [0, 0])
+        e[0] += s
+        e[1] += c
+
+
 def absorb_small(root: dict[int, int], graph: RegionGraph, min_voxels: int) -> dict[int, int]:
     """Objects under ``min_voxels`` join the neighbour they share the highest mean face
     affinity with, smallest (then lowest named) first; an object with no neighbour stays."""
@@ -241,13 +249,8 @@ def absorb_small(root: dict[int, int], graph: RegionGraph, min_voxels: int) -> d
         size[root[f]] = size.get(root[f], 0) + s
     contact: dict[int, dict[int, list]] = {}
     for u, v, s, c in _edges(graph.near):
-        a, b = root[u], root[v]
-        if a == b:
-            continue
-        for x, y in ((a, b), (b, a)):
-            e = contact.setdefault(x, {}).setdefault(y, [0, 0])
-            e[0] += s
-            e[1] += c
+        if root[u] != root[v]:
+            _touch(contact, root[u], root[v], s, c)
     parent, find = _union_find()
     for obj in sorted(size, key=lambda x: (size[x], x)):
         here = find(obj)
@@ -263,13 +266,8 @@ def absorb_small(root: dict[int, int], graph: RegionGraph, min_voxels: int) -> d
         parent[here] = best
         size[best] += size[here]
         for n, (s, c) in sorted(contact.pop(here, {}).items()):
-            other = find(n)
-            if other == best:
-                continue
-            for x, y in ((best, other), (other, best)):
-                e = contact.setdefault(x, {}).setdefault(y, [0, 0])
-                e[0] += s
-                e[1] += c
+            if find(n) != best:
+                _touch(contact, best, find(n), s, c)
     return {f: find(s) for f, s in root.items()}
 
 
