@@ -3,15 +3,20 @@ the machine's matmul peak each reaches.
 
     .venv/bin/pip install --no-deps monai==1.6.1 einops==0.8.1     # peers: benchmark only
     .venv/bin/pip install --no-deps timm==1.0.31 torchvision==0.28.0
-    python bench/model_step.py [--cases 3d,2d] [--repeats 5] [--modes eager,compiled]
+    python bench/model_step.py [--cases 3d,2d] [--modes eager,compiled] [--repeats 9]
+                               [--max-repeats 41] [--target-iqr 0.05] [--multiscale]
     python bench/model_step.py --tiny              # every case at toy sizes (seconds; CI)
     python bench/model_step.py --profile 3d        # torch.profiler table of our step
     python bench/model_step.py --head-layouts      # the multiscale head, by layout
 
 One step is forward + backward + ``torch.optim.AdamW`` step + ``zero_grad``, float32, the
 same batch, optimizer setting (--adamw) and threads for every model. Models are timed in
-one process, one step each in turn per repeat (the order alternates between repeats), and
-min / median / max seconds per step are reported with samples/s and the ratio to the peer.
+one process in rounds: one step of each model per round, the order reversed every other round.
+Min / median / max seconds per step are reported with samples/s; each ratio a goal is about
+(the peer's step over ours; a head's step over the backbone's) is taken within every round, its
+median reported with the interquartile range of the rounds' ratios, beside the ratio of the
+medians and of the minima. Past --repeats rounds the run stops as soon as every ratio's IQR is
+under --target-iqr of its median, or at --max-repeats.
 
 Cases (--cases):
   3d  our 3D segmentation ViT at ViT-S/16 sizes (``dinov3_vits16``, ndim 3, 1 channel: width
@@ -23,12 +28,14 @@ Cases (--cases):
       to 96^3, loss = mean square of the logits), for what the head costs; its logits are
       upsampled and reduced slab by slab as the trainer's loss takes them (``Loss.resized``).
       "ours+linear, bce" is that model with the trainer's default loss (BCE against random
-      0/1 targets, per-voxel validity), the step a user's training runs. "ours+multiscale":
-      the backbone with the multiscale head (default widths), loss = mean square of its
-      full-resolution logits.
-  2d  our ``dinov3_vitb16`` (2D, 3 channels) at 224^2, batch 8, against timm's
-      ``vit_base_patch16_224`` (``num_classes=0``); loss = mean square of the final-normalised
-      patch tokens of each.
+      0/1 targets, per-voxel validity), the step a user's training runs. With --multiscale,
+      also "ours+multiscale": the backbone with the multiscale head (default widths), loss =
+      mean square of its full-resolution logits (about 15x the backbone's step).
+  2d  our ``dinov3_vitb16`` (2D, 3 channels) at 224^2, batch 8, against timm's DINOv3 ViT-B
+      (``vit_base_patch16_dinov3``, ``num_classes=0``: the same architecture, with RoPE,
+      LayerScale and 4 register tokens); loss = mean square of the final-normalised patch
+      tokens of each. The eager run also loads one random state dict into both (mapped by
+      name) and reports the largest difference of their outputs.
 
 Modes (--modes): "eager", and "compiled": every transformer block of every model wrapped in
 ``torch.compile`` (as the trainer compiles, ``parallelize.apply_compile``).
@@ -161,7 +168,8 @@ def bce_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
     return total / count
 
 
-def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...]]:
+def build_3d(s: dict, num_classes: int = 4,
+             multiscale: bool = False) -> tuple[list[Entry], tuple[int, ...]]:
     ViT = import_monai_vit()
     torch.manual_seed(0)
     grid = s["size"] // s["patch"]
@@ -173,7 +181,6 @@ def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...
     ours = backbone()
     seg = SegmentationModel(backbone(), num_classes, head="linear")
     seg_bce = SegmentationModel(backbone(), num_classes, head="linear")
-    seg_ms = SegmentationModel(backbone(), num_classes, head="multiscale")
     monai = ViT(in_channels=1, img_size=s["size"], patch_size=s["patch"], hidden_size=s["dim"],
                 mlp_dim=4 * s["dim"], num_layers=s["depth"], num_heads=s["heads"],
                 spatial_dims=3, classification=False)
@@ -189,10 +196,15 @@ def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...
               training_flops_per_sample(seg_bce, shape), seg_bce.backbone.blocks,
               "the same, with the trainer's default loss (BCE against 0/1 targets, per-voxel "
               "validity)"),
-        Entry("ours+multiscale", seg_ms, lambda x, m=seg_ms: m(x).square().mean(),
-              training_flops_per_sample(seg_ms, shape), seg_ms.backbone.blocks,
-              f"the backbone + the multiscale head of {n_params(seg_ms.head)} (a convolutional "
-              "decoder to full resolution, the image encoded at 1, 1/2 and 1/4 of it)"),
+    ]
+    if multiscale:
+        seg_ms = SegmentationModel(backbone(), num_classes, head="multiscale")
+        entries.append(Entry(
+            "ours+multiscale", seg_ms, lambda x, m=seg_ms: m(x).square().mean(),
+            training_flops_per_sample(seg_ms, shape), seg_ms.backbone.blocks,
+            f"the backbone + the multiscale head of {n_params(seg_ms.head)} (a convolutional "
+            "decoder to full resolution, the image encoded at 1, 1/2 and 1/4 of it)"))
+    entries += [
         Entry("MONAI ViT", monai, lambda x, m=monai: m(x)[0].square().mean(),
               peer_training_flops(monai, monai.patch_embedding.patch_embeddings, monai.blocks,
                                   n, n), monai.blocks,
@@ -203,31 +215,87 @@ def build_3d(s: dict, num_classes: int = 4) -> tuple[list[Entry], tuple[int, ...
     return entries, (s["batch"], *shape)
 
 
+def timm_dinov3(timm, s: dict) -> nn.Module:
+    """timm's DINOv3 ViT (an ``Eva`` with DINOv3's RoPE, LayerScale and 4 register tokens):
+    ``vit_base_patch16_dinov3`` itself at the full sizes, the same family at toy sizes."""
+    sizes = {} if s["dim"] == 768 else {"embed_dim": s["dim"], "depth": s["depth"],
+                                        "num_heads": s["heads"]}
+    return timm.create_model("vit_base_patch16_dinov3", pretrained=False, num_classes=0,
+                             img_size=s["size"], **sizes)
+
+
+def timm_state_dict(ours: nn.Module) -> dict[str, torch.Tensor]:
+    """Our backbone's weights under the names of timm's DINOv3 ViT. timm's
+    ``vit_base_patch16_dinov3`` has no qkv bias (Meta's released B/16 biases are zero), so ours
+    must be zero to map; the mask token (MAE only) and the RoPE periods (a buffer computed
+    from the same formula on both sides) are not mapped."""
+    out = {}
+    for k, v in ours.state_dict().items():
+        if k.endswith("qkv.bias"):
+            if v.any():
+                raise ValueError(f"{k} is not zero: timm's vit_base_patch16_dinov3 has no qkv bias")
+            continue
+        if k in ("mask_token", "rope_embed.periods") or k.endswith("bias_mask"):
+            continue
+        out[k.replace("storage_tokens", "reg_token").replace("ls1.gamma", "gamma_1")
+             .replace("ls2.gamma", "gamma_2")] = v
+    return out
+
+
+def timm_parity(ours: nn.Module, peer: nn.Module, shape: tuple[int, ...]) -> str:
+    """Load random weights of ours (qkv bias zero) into copies of both models and compare
+    their final-normalised tokens on one random batch: the largest absolute difference, and
+    relative to the largest output."""
+    import copy
+
+    a, b = copy.deepcopy(ours).eval(), copy.deepcopy(peer).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in a.named_parameters():  # every weight random, norms and gammas near 1
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("qkv.bias"):
+                p.zero_()
+            elif p.dim() > 1:
+                p.copy_(0.02 * r)
+            elif name.endswith(("weight", "gamma")):
+                p.copy_(1 + 0.1 * r)
+            else:
+                p.copy_(0.1 * r)
+        b.load_state_dict(timm_state_dict(a), strict=True)
+        x = torch.randn(*shape, generator=g)
+        fa, fb = a.forward_features(x), b.forward_features(x)
+    r = b.num_prefix_tokens
+    diffs = {"patch tokens": fa["x_norm_patchtokens"] - fb[:, r:],
+             "class token": fa["x_norm_clstoken"] - fb[:, 0],
+             "register tokens": fa["x_storage_tokens"] - fb[:, 1:r]}
+    top = fb.abs().max().item()
+    worst = max(d.abs().max().item() for d in diffs.values())
+    return (f"ours and timm's {type(b).__name__} on the same random weights (mapped by name), "
+            f"batch {shape[0]}, eval: largest difference of the final-normalised tokens "
+            f"{worst:.1e} (outputs up to {top:.2f}, relative {worst / top:.1e}; "
+            + ", ".join(f"{k} {d.abs().max().item():.1e}" for k, d in diffs.items()) + ")")
+
+
 def build_2d(s: dict) -> tuple[list[Entry], tuple[int, ...]]:
     timm = import_timm()
-    from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
     grid = s["size"] // s["patch"]
     n = grid**2
     ours = build_backbone("dinov3_vitb16", ndim=2, in_chans=3, embed_dim=s["dim"],
                           depth=s["depth"], num_heads=s["heads"], patch_size=s["patch"])
-    if s["dim"] == 768 and s["size"] == 224:
-        peer = timm.create_model("vit_base_patch16_224", num_classes=0)
-    else:
-        peer = VisionTransformer(img_size=s["size"], patch_size=s["patch"], embed_dim=s["dim"],
-                                 depth=s["depth"], num_heads=s["heads"], num_classes=0)
+    peer = timm_dinov3(timm, s)
     r = peer.num_prefix_tokens
     shape = (3, s["size"], s["size"])
     entries = [
         Entry("ours", ours, lambda x, m=ours: m.forward_features(x)["x_norm_patchtokens"]
               .square().mean(), training_flops_per_sample(ours, shape), ours.blocks,
               our_extras(ours)),
-        Entry("timm ViT", peer, lambda x, m=peer: m.forward_features(x)[:, r:]
+        Entry("timm DINOv3 ViT", peer, lambda x, m=peer: m.forward_features(x)[:, r:]
               .square().mean(),
               peer_training_flops(peer, peer.patch_embed.proj, peer.blocks, n, n + r),
-              peer.blocks, f"learned position table {peer.pos_embed.numel()}, cls token "
-              f"{peer.cls_token.numel()}"),
+              peer.blocks, f"the same tokens (class + {r - 1} registers), RoPE and LayerScale, "
+              "no qkv bias"),
     ]
     return entries, (s["batch"], *shape)
 
@@ -321,7 +389,7 @@ def gemm_rate(n: int, dtype: torch.dtype) -> float:
 
 def run_case(case: str, mode: str, args) -> None:
     s = SIZES[case][1 if args.tiny else 0]
-    entries, shape = build_3d(s) if case == "3d" else build_2d(s)
+    entries, shape = build_3d(s, multiscale=args.multiscale) if case == "3d" else build_2d(s)
     torch.manual_seed(1)
     x = torch.randn(*shape)
     for e in entries:
@@ -340,7 +408,12 @@ def run_case(case: str, mode: str, args) -> None:
     setup = time.perf_counter() - t0
     gemm = gemm_rate(args.gemm, x.dtype)  # also warms the GEMM up
     gemms = []
-    for r in range(args.repeats):
+    ours, peer = entries[0], entries[-1]
+    # The ratios the goals are about, each taken within a round (two steps back to back).
+    pairs = [(peer, ours, f"ours vs {peer.name} (its step / ours)")]
+    pairs += [(e, ours, f"{e.name} / the backbone (step / step)") for e in entries[1:-1]]
+    rounds = max(args.repeats, args.max_repeats)
+    for r in range(rounds):
         order = entries if r % 2 == 0 else entries[::-1]
         for e in order:
             t0 = time.perf_counter()
@@ -348,41 +421,60 @@ def run_case(case: str, mode: str, args) -> None:
             e.times.append(time.perf_counter() - t0)
             e.gemm_times.append(e.gemms.seconds())
         gemms.append(gemm_rate(args.gemm, x.dtype))
+        if r + 1 >= args.repeats and all(
+                ratio_spread(num.times, den.times)[1] < args.target_iqr for num, den, _ in pairs):
+            break
     gemm = statistics.median(gemms)
-    peer = entries[-1]
     batch = shape[0]
     size = "x".join(map(str, shape[2:]))
     print(f"\n### {case}, {mode}: input {size}, batch {batch}, float32, AdamW ({args.adamw}), "
-          f"{torch.get_num_threads()} threads, {args.repeats} repeats "
+          f"{torch.get_num_threads()} threads, {len(ours.times)} rounds "
           f"(warm-up and compile {setup:.0f} s)")
     print(f"GEMM {args.gemm}^3 float32, median of the rounds: {gemm / 1e9:.1f} GFLOP/s "
           f"(min {min(gemms) / 1e9:.1f}, max {max(gemms) / 1e9:.1f})\n")
-    print("| model | params (M) | s/step min / median / max | samples/s | vs peer "
+    print("| model | params (M) | s/step min / median / max | samples/s "
           "| GFLOP/sample | GFLOP/s | of GEMM peak | its GEMMs alone (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    med_peer = statistics.median(peer.times)
+    print("|---|---|---|---|---|---|---|---|")
     for e in entries:
         med = statistics.median(e.times)
         achieved = e.flops_per_sample * batch / med
-        ratio = "-" if e is peer else f"**{med_peer / med:.2f}x**"
         print(f"| {e.name} | {n_params(e.model) / 1e6:.2f} | {min(e.times):.3f} / {med:.3f} / "
-              f"{max(e.times):.3f} | {batch / med:.2f} | {ratio} | "
+              f"{max(e.times):.3f} | {batch / med:.2f} | "
               f"{e.flops_per_sample / 1e9:.2f} | {achieved / 1e9:.1f} | {achieved / gemm:.0%} | "
               f"{statistics.median(e.gemm_times):.3f} |")
-    ours = entries[0]
-    ceiling = med_peer / statistics.median(ours.gemm_times)
+    print("\n| ratio | median of the rounds' ratios | their IQR (q1-q3) | IQR / median "
+          "| ratio of medians | ratio of minima |")
+    print("|---|---|---|---|---|---|")
+    for num, den, label in pairs:
+        med, spread, q1, q3 = ratio_spread(num.times, den.times, full=True)
+        print(f"| {label} | **{med:.3f}x** | {q1:.3f}-{q3:.3f} | {spread:.1%} | "
+              f"{statistics.median(num.times) / statistics.median(den.times):.3f}x | "
+              f"{min(num.times) / min(den.times):.3f}x |")
+    ceiling = statistics.median(peer.times) / statistics.median(ours.gemm_times)
     print(f"\nceiling: {peer.name}'s median step / our model's GEMMs alone = {ceiling:.2f}x; "
           f"no {mode} step of ours that does these GEMMs in float32 can beat {peer.name} by "
           "more (everything else at zero cost)")
     print(f"\nparameters: ours / {peer.name} = {n_params(ours.model) / n_params(peer.model):.4f}; "
           f"ours has {ours.params_note}; {peer.name} has {peer.params_note}")
     for e in entries[1:-1]:
-        paired = statistics.median(a / b for a, b in zip(e.times, ours.times))
-        print(f"{e.name}: {e.params_note}; step / the backbone's step: "
-              f"{statistics.median(e.times) / statistics.median(ours.times):.3f}x (medians), "
-              f"**{paired:.3f}x** (median of each round's ratio, the two steps timed back to "
-              "back: the steadier on a noisy machine)")
+        print(f"{e.name}: {e.params_note}")
+    if case == "2d" and mode == "eager":
+        print("\nparity: " + timm_parity(ours.model, peer.model, (2, *shape[1:])))
     sys.stdout.flush()
+
+
+def ratio_spread(num: list[float], den: list[float], full: bool = False):
+    """The ratio of two models' steps taken within each round: (median, IQR / median), and
+    with ``full`` also (q1, q3). Fewer than 4 rounds have no spread (infinite)."""
+    ratios = [a / b for a, b in zip(num, den)]
+    med = statistics.median(ratios)
+    if len(ratios) < 4:
+        q1 = q3 = med
+        spread = float("inf")
+    else:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        spread = (q3 - q1) / med
+    return (med, spread, q1, q3) if full else (med, spread)
 
 
 def head_layouts(args) -> None:
@@ -445,7 +537,13 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="3d,2d", help="comma-separated: 3d, 2d (default both)")
     p.add_argument("--modes", default="eager",
                    help="comma-separated: eager, compiled (default eager)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per model (default 5)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds at least (one timed step per model each; default 5)")
+    p.add_argument("--max-repeats", type=int, default=0,
+                   help="rounds at most: past --repeats, stop once every ratio's IQR / median "
+                        "is under --target-iqr (default: --repeats, no adaptive stop)")
+    p.add_argument("--target-iqr", type=float, default=0.05,
+                   help="the spread (IQR / median of the rounds' ratios) to reach (default 0.05)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model (default 1; "
                    "one more when compiled)")
     p.add_argument("--adamw", choices=("foreach", "for-loop", "fused"), default="fused",
@@ -453,6 +551,8 @@ def main(argv=None) -> int:
                    "the trainer's optimizer.implementation default)")
     p.add_argument("--gemm", type=int, default=4096, help="edge of the peak-rate GEMM")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--multiscale", action="store_true",
+                   help="3d: also time the backbone with the multiscale head")
     p.add_argument("--tiny", action="store_true", help="toy sizes, for a quick check")
     p.add_argument("--profile", default=None, metavar="CASE",
                    help="profile our model's step in CASE (3d or 2d) instead of comparing")

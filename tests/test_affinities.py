@@ -203,6 +203,7 @@ def test_a_class_stored_without_ids_is_refused(tmp_path, capsys):
      "lacks"),
     (["--inference.affinity_cut", "mutex_graph", "--affinities.offsets", "1:0:0,0:1:0"],
      r"lacks \['0:0:1'\]"),
+    (["--affinities.dice_on", "cuts", "--model.loss", "bce"], "has none; use 'bce_dice'"),
     (["--model.ndim", "2", "--model.crop_size", "32,32", "--data.voxel_size", "8,8,8",
       "--inference.planes", "zyx", "--affinities.offsets", "1:0,0:1"],
      "affinity channels .* differ between those planes"),

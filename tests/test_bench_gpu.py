@@ -72,15 +72,25 @@ def test_gpu_bench_dry_run_fills_every_section():
                     reason="bench/model_step.py compares with MONAI and timm (benchmark-only "
                            "peers, not project dependencies)")
 def test_model_step_tiny_compares_every_model():
-    out = _run("bench/model_step.py", "--tiny", "--repeats", "1")
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line
-            and not line.startswith("| model")]
-    names = [r.split("|")[1].strip() for r in rows]
-    assert names == ["ours", "ours+linear", "ours+linear, bce", "MONAI ViT", "ours", "timm ViT"], out
-    for r in rows:
-        cells = [c.strip() for c in r.strip("|").split("|")]
-        assert float(cells[3]) > 0 and float(cells[5]) > 0, r  # samples/s, GFLOP/sample
+    out = _run("bench/model_step.py", "--tiny", "--repeats", "4")
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| ") and "---" not in line]
+    models = [c for c in cells if len(c) == 8 and c[0] != "model"]
+    ratios = [c for c in cells if len(c) == 6 and c[0] != "ratio"]
+    assert [c[0] for c in models] == ["ours", "ours+linear", "ours+linear, bce", "MONAI ViT",
+                                      "ours", "timm DINOv3 ViT"], out
+    for c in models:
+        assert float(c[3]) > 0 and float(c[4]) > 0, c  # samples/s, GFLOP/sample
+    # Each goal's ratio, taken within the rounds, with its spread.
+    assert [c[0].split(" (")[0] for c in ratios] == [
+        "ours vs MONAI ViT", "ours+linear / the backbone", "ours+linear, bce / the backbone",
+        "ours vs timm DINOv3 ViT"], out
+    for c in ratios:
+        assert float(c[1].strip("*x")) > 0 and c[3].endswith("%"), c
     assert out.count("parameters: ours / ") == 2, out
+    # Ours and timm's DINOv3 compute the same tokens from the same weights.
+    parity = re.search(r"relative ([0-9.e+-]+);", out)
+    assert parity and float(parity.group(1)) < 1e-4, out
 
 
 def test_resized_loss_bench_keeps_far_less_for_the_backward():

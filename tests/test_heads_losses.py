@@ -357,6 +357,38 @@ def test_task_builds_model_and_loss_from_config(loss):
     assert count == expected[1] and count > 0
 
 
+@pytest.mark.parametrize("dice_on", ["joins", "cuts"])
+def test_dice_on_cuts_scores_the_complement_of_the_affinity_channels(dice_on):
+    """affinities.dice_on = "cuts": the Dice term of an affinity channel is that of 1 - p
+    against 1 - t (the class channels and the BCE term as before)."""
+    cfg = JobConfig()
+    cfg.data.classes = ["cell"]
+    cfg.affinities.classes, cfg.affinities.offsets = ["cell"], ["1:0", "0:1"]
+    cfg.affinities.dice_on = dice_on
+    m = cfg.model
+    m.backbone, m.ndim, m.patch_size, m.crop_size = "vit_debug", 2, 8, [16, 16]
+    m.head, m.head_channels, m.loss = "upconv", 16, "bce_dice"
+    task = SegmentationTask(cfg)
+    model = task.build_model()
+    target = (torch.rand(2, 3, 16, 16) > 0.2).to(torch.uint8)  # affinities: mostly joins
+    valid = (torch.rand(2, 3, 16, 16) > 0.1).to(torch.uint8)
+    batch = Batch(image=torch.randn(2, 1, 16, 16), target=target, valid=valid,
+                  index=torch.arange(2), resampled=torch.zeros(2, dtype=torch.int64))
+    total, count = task.loss_terms(model, batch)
+    z = model(batch.image).float()
+    p, t, v = torch.sigmoid(z), target.float(), valid.float()
+    if dice_on == "cuts":
+        p = torch.cat([p[:, :1], 1 - p[:, 1:]], 1)
+        t = torch.cat([t[:, :1], 1 - t[:, 1:]], 1)
+    bce = F.binary_cross_entropy_with_logits(z, target.float(), reduction="none")
+    per_sample = (bce * v).sum((1, 2, 3)) / v.sum((1, 2, 3))
+    pt, ps, ts = ((x * v).sum((2, 3)) for x in (p * t, p, t))
+    dice = 1 - (2 * pt + 1) / (ps + ts + 1)  # every (sample, channel) has targets here
+    expected = (per_sample + dice.mean(1)).sum()
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    assert count == 2
+
+
 def test_head_image_levels_reach_the_patch_grid():
     """``head_image_levels`` = log2(patch) + 1 encodes the image down to the patch grid (a
     U-Net encoder of 16, 32, 64, ... channels beside the ViT) and fuses each level; 0 keeps

@@ -488,6 +488,11 @@ class Affinities:
         "long-range ones after. Empty = the face neighbours plus offsets of about 3 and 9 "
         "voxels of the finest axis along each axis (shorter on a coarser axis).",
         check=(_offsets_rule, "entries must be whole numbers joined by ':', not all 0"))
+    dice_on: str = opt(
+        "joins", "What the Dice term of model.loss measures on the affinity channels: 'joins' "
+        "(the voxel pairs of one object, most pairs) or 'cuts' (the pairs that an object "
+        "boundary separates, the rarer event that the cuts hinge on). BCE treats both alike.",
+        choices=("joins", "cuts"))
 
 
 @dataclass

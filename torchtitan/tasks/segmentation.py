@@ -23,6 +23,7 @@ from torchtitan.models import (
     training_flops_per_sample,
 )
 from torchtitan.models.context import context_shard, local_part
+from torchtitan.models.losses import complement_channels
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -122,6 +123,8 @@ class SegmentationTask(TaskBase):
             weights = torch.tensor(m.class_weights + [1.0] * len(self.affinities),
                                    device=logits.device)
         target, valid = local_part(shard, batch.target), local_part(shard, batch.valid)
+        if self.cfg.affinities.dice_on == "cuts" and len(self.affinities):
+            logits, target = complement_channels(logits, target, len(self.cfg.data.classes))
         return build_loss(m.loss, weights).resized(logits, target.shape[2:], target, valid)
 
     # -- validation -----------------------------------------------------------------------------
