@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from torchtitan.config.manager import Affinities
 from torchtitan.data.batch import Batch
 from torchtitan.models.mae import MaskedAutoencoder
 from torchtitan.models.segmentation import SegmentationModel
@@ -42,7 +43,7 @@ def backbone() -> DinoVisionTransformer:
 # The tasks read only these settings (the segmentation task's outputs, and loss_terms).
 SEGMENTATION = SegmentationTask(SimpleNamespace(
     model=SimpleNamespace(loss="bce", class_weights=[]), data=SimpleNamespace(classes=["a"]),
-    affinities=SimpleNamespace(classes=[], offsets=[])))
+    affinities=Affinities()))
 MAE = MAETask(SimpleNamespace(model=SimpleNamespace(mask_ratio=0.5, patch_size=PATCH,
                                                     norm_pix_loss=True)))
 
