@@ -13,10 +13,12 @@ One step is forward + backward + ``torch.optim.AdamW`` step + ``zero_grad``, flo
 same batch, optimizer setting (--adamw) and threads for every model. Models are timed in
 one process in rounds: one step of each model per round, the order reversed every other round.
 Min / median / max seconds per step are reported with samples/s; each ratio a goal is about
-(the peer's step over ours; a head's step over the backbone's) is taken within every round, its
-median reported with the interquartile range of the rounds' ratios, beside the ratio of the
-medians and of the minima. Past --repeats rounds the run stops as soon as every ratio's IQR is
-under --target-iqr of its median, or at --max-repeats.
+(the peer's step over ours; a head's step over the backbone's) is taken within every round; its
+median is reported with that median's 95 % interval and IQR (distribution-free, from order
+statistics: how well the rounds settle it), the rounds' own q1-q3 (the machine's noise, which
+more rounds do not shrink), the ratio of the medians and of the minima. Past --repeats rounds
+the run stops as soon as every goal ratio's median has an IQR under --target-iqr of itself,
+or at --max-repeats.
 
 Cases (--cases):
   3d  our 3D segmentation ViT at ViT-S/16 sizes (``dinov3_vits16``, ndim 3, 1 channel: width
@@ -26,7 +28,8 @@ Cases (--cases):
       patch tokens, loss = their mean square. "ours+linear" is the full segmentation model
       (the same backbone, features of four blocks, 1x1 conv to 4 classes, trilinear upsampling
       to 96^3, loss = mean square of the logits), for what the head costs; its logits are
-      upsampled and reduced slab by slab as the trainer's loss takes them (``Loss.resized``).
+      upsampled and reduced slab by slab as the trainer's loss takes them (``Loss.resized``,
+      the derivative written out).
       "ours+linear, bce" is that model with the trainer's default loss (BCE against random
       0/1 targets, per-voxel validity), the step a user's training runs. With --multiscale,
       also "ours+multiscale": the backbone with the multiscale head (default widths), loss =
@@ -57,6 +60,7 @@ the same matmuls in the same dtype could reach.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -148,9 +152,11 @@ def our_extras(vit) -> str:
 
 def mean_square_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
     """Mean square of the model's logits resized to the input's size, the way the trainer
-    takes its loss on them: slab by slab from the patch grid (``Loss.resized``)."""
+    takes its loss on them: slab by slab from the patch grid, with the derivative written out
+    for the backward pass, as for the trainer's sigmoid losses (``Loss.resized``)."""
     logits = model(x, resize=False)
-    (sq,) = slab_statistics(lambda z, t, v: (z.square().sum(),), logits, x.shape[2:])
+    (sq,) = slab_statistics(lambda z, t, v: (z.square().sum(),), logits, x.shape[2:],
+                            gradient=lambda z, t, v, g: z.mul(2 * g[0]))
     return sq / (logits.shape[0] * logits.shape[1] * x[0, 0].numel())
 
 
@@ -442,12 +448,13 @@ def run_case(case: str, mode: str, args) -> None:
               f"{max(e.times):.3f} | {batch / med:.2f} | "
               f"{e.flops_per_sample / 1e9:.2f} | {achieved / 1e9:.1f} | {achieved / gemm:.0%} | "
               f"{statistics.median(e.gemm_times):.3f} |")
-    print("\n| ratio | median of the rounds' ratios | their IQR (q1-q3) | IQR / median "
-          "| ratio of medians | ratio of minima |")
-    print("|---|---|---|---|---|---|")
+    print("\n| ratio | median of the rounds' ratios | its 95% interval | its IQR / median "
+          "| the rounds' q1-q3 | ratio of medians | ratio of minima |")
+    print("|---|---|---|---|---|---|---|")
     for num, den, label in pairs:
-        med, spread, q1, q3 = ratio_spread(num.times, den.times, full=True)
-        print(f"| {label} | **{med:.3f}x** | {q1:.3f}-{q3:.3f} | {spread:.1%} | "
+        med, spread, (lo, hi), q1, q3 = ratio_spread(num.times, den.times, full=True)
+        print(f"| {label} | **{med:.3f}x** | {lo:.3f}-{hi:.3f} | {spread:.1%} | "
+              f"{q1:.3f}-{q3:.3f} | "
               f"{statistics.median(num.times) / statistics.median(den.times):.3f}x | "
               f"{min(num.times) / min(den.times):.3f}x |")
     ceiling = statistics.median(peer.times) / statistics.median(ours.gemm_times)
@@ -464,17 +471,36 @@ def run_case(case: str, mode: str, args) -> None:
 
 
 def ratio_spread(num: list[float], den: list[float], full: bool = False):
-    """The ratio of two models' steps taken within each round: (median, IQR / median), and
-    with ``full`` also (q1, q3). Fewer than 4 rounds have no spread (infinite)."""
-    ratios = [a / b for a, b in zip(num, den)]
+    """The ratio of two models' steps taken within each round: (median, the median's IQR /
+    median), and with ``full`` also the median's 95 % interval and the rounds' own q1, q3.
+
+    The rounds' spread (q1-q3 of the per-round ratios) is the machine's noise and does not
+    shrink with more rounds; the median's interval does (as 1 / sqrt(rounds)). Both
+    intervals of the median are distribution-free, from order statistics (the ranks
+    n/2 -+ z sqrt(n)/2, z = 0.674 for the IQR, 1.96 for 95 %). Fewer than 4 rounds have no
+    spread (infinite)."""
+    ratios = sorted(a / b for a, b in zip(num, den))
     med = statistics.median(ratios)
     if len(ratios) < 4:
-        q1 = q3 = med
-        spread = float("inf")
-    else:
-        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-        spread = (q3 - q1) / med
-    return (med, spread, q1, q3) if full else (med, spread)
+        return (med, float("inf"), (med, med), med, med) if full else (med, float("inf"))
+    lo50, hi50 = median_interval(ratios, 0.674)
+    spread = (hi50 - lo50) / med
+    if not full:
+        return med, spread
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return med, spread, median_interval(ratios, 1.96), q1, q3
+
+
+def median_interval(ordered: list[float], z: float) -> tuple[float, float]:
+    """The interval of the median of ``ordered`` (sorted) values at the normal quantile
+    ``z``: the order statistics of ranks floor(n/2 - z sqrt(n)/2) and ceil(1 + n/2 + z
+    sqrt(n)/2) (1-based, clamped), which hold the median with that probability whatever the
+    distribution."""
+    n = len(ordered)
+    half = z * math.sqrt(n) / 2
+    lo = max(1, math.floor(n / 2 - half))
+    hi = min(n, math.ceil(1 + n / 2 + half))
+    return ordered[lo - 1], ordered[hi - 1]
 
 
 def head_layouts(args) -> None:
@@ -521,7 +547,12 @@ def profile_case(case: str, args) -> None:
 
     s = SIZES[case][1 if args.tiny else 0]
     entries, shape = build_3d(s) if case == "3d" else build_2d(s)
-    e = entries[0]
+    names = [x.name for x in entries]
+    if args.profile_model not in names:
+        raise SystemExit(f"--profile-model {args.profile_model!r}: not a model of {case} "
+                         f"({', '.join(names)})")
+    e = entries[names.index(args.profile_model)]
+    print(f"### {e.name}, {case}, {args.repeats} steps")
     e.optimizer = make_optimizer(e.model, args.adamw)
     x = torch.randn(*shape)
     train_step(e, x)
@@ -540,10 +571,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds at least (one timed step per model each; default 5)")
     p.add_argument("--max-repeats", type=int, default=0,
-                   help="rounds at most: past --repeats, stop once every ratio's IQR / median "
-                        "is under --target-iqr (default: --repeats, no adaptive stop)")
+                   help="rounds at most: past --repeats, stop once the median of every ratio "
+                        "has an IQR under --target-iqr of itself (default: --repeats, no "
+                        "adaptive stop)")
     p.add_argument("--target-iqr", type=float, default=0.05,
-                   help="the spread (IQR / median of the rounds' ratios) to reach (default 0.05)")
+                   help="the spread (the IQR of a ratio's median over the median) to reach "
+                        "(default 0.05)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model (default 1; "
                    "one more when compiled)")
     p.add_argument("--adamw", choices=("foreach", "for-loop", "fused"), default="fused",
@@ -556,6 +589,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="toy sizes, for a quick check")
     p.add_argument("--profile", default=None, metavar="CASE",
                    help="profile our model's step in CASE (3d or 2d) instead of comparing")
+    p.add_argument("--profile-model", default="ours",
+                   help="the model --profile runs (a name of the comparison's table)")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--head-layouts", action="store_true",
                    help="time the multiscale head alone (3D and 2D), channels-last against the "

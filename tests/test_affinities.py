@@ -273,6 +273,20 @@ def test_agglomeration_threshold_decides_a_weak_boundary():
                                           agglomerate_threshold=0.7), ids)
 
 
+def test_graph_cuts_take_given_fragments():
+    """Fragments handed in replace the watershed basins: the true objects as fragments are
+    kept; one fragment across both (a merge in the over-segmentation) cannot be undone by the
+    agglomeration; fragments of another shape are refused."""
+    ids = np.ones((6, 8, 10), np.int64)
+    ids[:, :, 5:] = 2
+    aff = predicted(ids, LONG)
+    assert same_partition(graph_instances(aff, LONG, "mutex_graph", fragments=ids), ids)
+    one = graph_instances(aff, LONG, "mutex_graph", fragments=np.ones_like(ids))
+    assert (one == 1).all()
+    with pytest.raises(ValueError, match="fragments of shape"):
+        graph_instances(aff, LONG, "mutex_graph", fragments=ids[1:])
+
+
 def test_2d_cuts():
     ids = three_objects()[0]
     ids[ids == 0] = 4

@@ -76,7 +76,7 @@ def test_model_step_tiny_compares_every_model():
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
              if line.startswith("| ") and "---" not in line]
     models = [c for c in cells if len(c) == 8 and c[0] != "model"]
-    ratios = [c for c in cells if len(c) == 6 and c[0] != "ratio"]
+    ratios = [c for c in cells if len(c) == 7 and c[0] != "ratio"]
     assert [c[0] for c in models] == ["ours", "ours+linear", "ours+linear, bce", "MONAI ViT",
                                       "ours", "timm DINOv3 ViT"], out
     for c in models:
@@ -85,8 +85,10 @@ def test_model_step_tiny_compares_every_model():
     assert [c[0].split(" (")[0] for c in ratios] == [
         "ours vs MONAI ViT", "ours+linear / the backbone", "ours+linear, bce / the backbone",
         "ours vs timm DINOv3 ViT"], out
-    for c in ratios:
-        assert float(c[1].strip("*x")) > 0 and c[3].endswith("%"), c
+    for c in ratios:  # the median, its 95 % interval around it, its IQR
+        med = float(c[1].strip("*x"))
+        lo, hi = (float(v) for v in c[2].split("-"))
+        assert med > 0 and lo <= med <= hi and c[3].endswith("%"), c
     assert out.count("parameters: ours / ") == 2, out
     # Ours and timm's DINOv3 compute the same tokens from the same weights.
     parity = re.search(r"relative ([0-9.e+-]+);", out)
@@ -104,3 +106,5 @@ def test_resized_loss_bench_keeps_far_less_for_the_backward():
     for name in ("bce", "dice", "bce_dice"):
         slabs, whole = (float(rows[name][c].split()[0]) for c in (4, 5))
         assert slabs < whole / 20, rows[name]
+    floor = re.search(r"floor of bce: ([0-9.]+) ms", out)
+    assert floor and float(floor.group(1)) > 0, out

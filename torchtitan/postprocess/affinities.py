@@ -118,12 +118,16 @@ def basins(affinities, offsets) -> np.ndarray:
     return ids[0] if affinities.ndim == 3 else ids
 
 
-def region_graph(affinities, offsets) -> tuple[RegionGraph, np.ndarray]:
-    """The region graph of the whole volume's fragments (:func:`basins`), and the fragments
-    named as the graph names them (int64, 0 = none)."""
+def region_graph(affinities, offsets, fragments=None) -> tuple[RegionGraph, np.ndarray]:
+    """The region graph of the whole volume's fragments (``fragments``, ids > 0 and 0 for
+    none; by default :func:`basins`), and the fragments named as the graph names them
+    (int64, 0 = none)."""
     affinities = _check(affinities, offsets)
     offsets = [tuple(int(v) for v in o) for o in offsets]
-    fragments = basins(affinities, offsets)
+    fragments = basins(affinities, offsets) if fragments is None else np.asarray(fragments)
+    if fragments.shape != affinities.shape[1:]:
+        raise ValueError(f"fragments of shape {fragments.shape} for affinities of shape "
+                         f"{affinities.shape}: expected the affinities' spatial shape")
     shape, origin = fragments.shape, (0,) * fragments.ndim
     ids, names, sizes = first_voxels(fragments, origin, shape)
     rename = np.zeros(int(fragments.max()) + 1, np.int64)
@@ -138,11 +142,12 @@ def region_graph(affinities, offsets) -> tuple[RegionGraph, np.ndarray]:
 
 def graph_instances(affinities, offsets, method: str, *, min_voxels: int = 0,
                     threshold_nearest: float = 0.5, threshold_long: float = 0.5,
-                    agglomerate_threshold: float = 0.5) -> np.ndarray:
+                    agglomerate_threshold: float = 0.5, fragments=None) -> np.ndarray:
     """Object ids (uint32, 1..n in raster order of their first voxel; 0 where no fragment) of
     a graph cut (``mutex_graph`` or ``agglomerate``, module docstring) of the whole volume:
-    fragments, their region graph, its agglomeration, small objects absorbed."""
-    graph, named = region_graph(affinities, offsets)
+    fragments (``fragments``, by default :func:`basins`), their region graph, its
+    agglomeration, small objects absorbed."""
+    graph, named = region_graph(affinities, offsets, fragments)
     number = agglomerate_graph(graph, method, threshold_nearest=threshold_nearest,
                                threshold_long=threshold_long,
                                agglomerate_threshold=agglomerate_threshold,
@@ -168,11 +173,12 @@ def absorb_small(ids: np.ndarray, min_voxels: int) -> np.ndarray:
 
 def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=None,
                        min_object_nm3: float = 0.0, threshold_nearest: float = 0.5,
-                       threshold_long: float = 0.5,
-                       agglomerate_threshold: float = 0.5) -> tuple[np.ndarray, int]:
+                       threshold_long: float = 0.5, agglomerate_threshold: float = 0.5,
+                       fragments=None) -> tuple[np.ndarray, int]:
     """Instance ids (int32, 1..n) and their count cut from predicted ``affinities`` (C,
     *spatial) along ``offsets`` by ``method`` (:data:`AFFINITY_CUTS`); 0 outside ``inside``
-    (the class's mask; None: everywhere)."""
+    (the class's mask; None: everywhere). ``fragments``: the graph cuts' over-segmentation
+    (default: :func:`basins`)."""
     min_voxels = int(np.ceil(min_object_nm3 / float(np.prod(np.asarray(voxel_size, float)))))
     if method == "mutex":
         ids = mutex_watershed(affinities, offsets, threshold_nearest, threshold_long)
@@ -181,7 +187,8 @@ def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=N
     elif method in AFFINITY_CUTS:
         ids = graph_instances(affinities, offsets, method, min_voxels=min_voxels,
                               threshold_nearest=threshold_nearest, threshold_long=threshold_long,
-                              agglomerate_threshold=agglomerate_threshold)
+                              agglomerate_threshold=agglomerate_threshold,
+                              fragments=fragments)
     else:
         raise ValueError(f"affinity cut {method!r}: must be one of {', '.join(AFFINITY_CUTS)}")
     if inside is not None:
