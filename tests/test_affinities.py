@@ -10,10 +10,12 @@ affinities made from known objects.
 from __future__ import annotations
 
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import script_module
 
 from test_import_h5 import write_h5
 from test_import_stack import imported
@@ -285,6 +287,25 @@ def test_graph_cuts_take_given_fragments():
     assert (one == 1).all()
     with pytest.raises(ValueError, match="fragments of shape"):
         graph_instances(aff, LONG, "mutex_graph", fragments=ids[1:])
+
+
+def test_fragment_rules_of_the_fragments_bench(monkeypatch):
+    """``bench/neuron_fragments.py``'s rules: every rule covers the volume; on clean
+    affinities no fragment of the basin rules straddles two objects; an unknown rule is
+    refused by name."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = script_module("bench/neuron_fragments.py")
+    ids = three_objects()
+    ids[ids == 0] = 4
+    aff = np.where(predicted(ids, LONG) > 0.5, 0.98, 0.02)  # sure: every rule has seeds
+    for rule in bench.RULES:
+        frag = bench.fragments(rule, aff, LONG)
+        assert frag.shape == ids.shape and (frag > 0).all(), rule
+        if rule.startswith("basins"):
+            pairs = np.unique(np.stack([frag.ravel(), ids.ravel()]), axis=1)
+            assert len(np.unique(pairs[0])) == pairs.shape[1], rule
+    with pytest.raises(ValueError, match="fragment rule 'nope'"):
+        bench.fragments("nope", aff, LONG)
 
 
 def test_2d_cuts():
