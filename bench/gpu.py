@@ -4,12 +4,17 @@ and sliding-window inference against MONAI. One script, about 6 minutes.
     python bench/gpu.py                      # on the GPU: sizes below, bf16
     python bench/gpu.py --dry-run            # every section on the CPU at toy sizes (< 1 min)
     python bench/gpu.py --sections train --budget-s 200
+    python bench/gpu.py --sections train --steps 20 --train-only "* 128^3 x8, sdpa, *"
+    python bench/gpu.py --sections train --train-only "seg 128^3 x8, sdpa, eager" \
+        --profile "seg 128^3 x8, sdpa, eager"   # and the operators that take the time
 
 Sections (--sections, all by default):
   train      training steps (forward + backward + fused AdamW, bf16 autocast, fp32 weights) of
-             ``dinov3_vitl16`` in 3D (1 channel, patch 16): the segmentation model (linear head)
-             on 128^3 (batch 8) and 256^3 (batch 2) crops, and the MAE (256^3, batch 2) at mask
-             ratio 0.75 and 0.9. Attention SDPA and FlashAttention-4 (a row says "not
+             ``dinov3_vitl16`` in 3D (1 channel, patch 16) on 128^3 (batch 8) and 256^3 (batch 2)
+             crops: the backbone alone (loss: mean square of its patch tokens), the segmentation
+             model (linear head) with a mean square of its resized logits ("seg") and with the
+             trainer's BCE ("seg bce"), both taken slab by slab as the trainer takes its loss;
+             and the MAE (256^3, batch 2) at mask ratio 0.75 and 0.9. Attention SDPA and FlashAttention-4 (a row says "not
              installed" where it cannot run), eager and ``torch.compile`` (per block, as the
              trainer does), without and with selective activation checkpointing (per op, as
              ``activation_checkpoint.mode = "selective"``, ``selective_ac_option = "op"``).
@@ -41,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import fnmatch
 import math
 import statistics
 import sys
@@ -60,7 +67,7 @@ from torchtitan.models.attention import _fa4_function, fa4_unavailable_reason
 # Sibling scripts: `python bench/gpu.py` puts bench/ first on the import path (bench/ is a
 # folder of scripts, not an installed package).
 from inference import monai_starts
-from model_step import mean_square_of_resized
+from model_step import bce_of_resized, mean_square_of_resized
 
 SECTIONS = ("train", "loader", "inference", "cp")
 MONAI_HINT = "pip install --no-deps monai==1.6.1 einops==0.8.1"
@@ -149,7 +156,9 @@ def build_model(kind: str, sizes: Sizes, attention: str, compile_: bool, ac: boo
 
     torch.manual_seed(0)
     backbone = build_backbone("dinov3_vitl16", ndim=3, in_chans=1, **sizes.backbone_overrides)
-    if kind == "seg":
+    if kind == "backbone":
+        model = backbone
+    elif kind.startswith("seg"):
         model = SegmentationModel(backbone, NUM_CLASSES, head="linear")
     else:
         model = MaskedAutoencoder(backbone)
@@ -167,8 +176,9 @@ def train_rows(args, sizes: Sizes, device: torch.device, table: Table, deadline:
     peak_gemm = gemm_tflops(sizes.gemm, device, torch.bfloat16)
     print(f"bf16 GEMM {sizes.gemm}^3: {peak_gemm:.1f} TFLOP/s", flush=True)
     configs = []
-    for crop, batch in sizes.seg_crops:
-        configs.append(("seg", crop, batch, None))
+    for crop, batch in sizes.seg_crops:  # the backbone alone, then with the head and each loss
+        for kind in ("backbone", "seg", "seg bce"):
+            configs.append((kind, crop, batch, None))
     for ratio in sizes.mae_ratios:
         configs.append(("mae", *sizes.mae_crop, ratio))
     rates = {}
@@ -176,10 +186,13 @@ def train_rows(args, sizes: Sizes, device: torch.device, table: Table, deadline:
         for attention in ("sdpa", "fa4"):
             for compile_ in (False, True):
                 for ac in (False, True):
-                    name = (f"{'seg' if kind == 'seg' else f'MAE {ratio}'} {crop}^3 x{batch}, "
+                    name = (f"{f'MAE {ratio}' if kind == 'mae' else kind} {crop}^3 x{batch}, "
                             f"{attention}, {'compiled' if compile_ else 'eager'}"
                             f"{', selective AC' if ac else ''}")
                     why = attention_status(attention, device)
+                    if args.train_only and not any(fnmatch.fnmatchcase(name, pattern)
+                                                   for pattern in args.train_only):
+                        why = "skipped: not in --train-only"
                     if why is None and compile_ and args.dry_run:
                         why = "skipped: --dry-run does not compile (minutes on a CPU)"
                     if why is None and time.perf_counter() > deadline:
@@ -188,8 +201,11 @@ def train_rows(args, sizes: Sizes, device: torch.device, table: Table, deadline:
                         table.add(config=name, status=why)
                         continue
                     try:
+                        profiled = args.profile and any(fnmatch.fnmatchcase(name, pattern)
+                                                        for pattern in args.profile)
                         row = run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes,
-                                        device, peak_gemm, args.peak_tflops)
+                                        device, peak_gemm, args.peak_tflops,
+                                        profile=name if profiled else None)
                     except Exception as e:  # report and go on: one config must not end the run
                         table.add(config=name, status=f"failed: {type(e).__name__}: {e}"[:200])
                         continue
@@ -200,8 +216,25 @@ def train_rows(args, sizes: Sizes, device: torch.device, table: Table, deadline:
     return rates
 
 
+def profile_steps(step, device: torch.device, name: str, steps: int = 3, rows: int = 20) -> None:
+    """torch.profiler over ``steps`` more steps: the operators that take the most device
+    time (CPU time on a CPU), and how many kernels a step launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    events = prof.key_averages()
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"\n### profile of {name}: {steps} steps, {kernels / steps:.0f} kernels per step\n"
+          + events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
+
+
 def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, peak_gemm,
-              peak_spec) -> dict:
+              peak_spec, profile: str | None = None) -> dict:
     model = build_model(kind, sizes, attention, compile_, ac, device)
     model.train()
     fused = device.type == "cuda"
@@ -213,8 +246,12 @@ def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, 
 
     def step():
         with autocast:
-            if kind == "seg":  # the loss on the head's logits as the trainer takes it
+            if kind == "backbone":  # the mean square of the final-normalised patch tokens
+                loss = model.forward_features(x)["x_norm_patchtokens"].square().mean()
+            elif kind == "seg":  # a loss on the head's logits as the trainer takes them
                 loss = mean_square_of_resized(model, x)
+            elif kind == "seg bce":  # the trainer's default loss
+                loss = bce_of_resized(model, x)
             else:
                 noise = torch.rand(batch, math.prod(s // model.patch_size for s in shape[1:]),
                                    device=device)
@@ -236,6 +273,8 @@ def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, 
         step()
         sync(device)
         times.append(time.perf_counter() - t0)
+    if profile:
+        profile_steps(step, device, profile)
     med = statistics.median(times)
     tflops = flops * batch / med / 1e12
     mem = (f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}" if device.type == "cuda"
@@ -426,6 +465,14 @@ def main(argv=None) -> int:
                    help="bench/data_loader.py's store (written there once, about a minute)")
     p.add_argument("--loader-workers", type=int, default=8)
     p.add_argument("--infer-repeats", type=int, default=3)
+    p.add_argument("--train-only", nargs="+", default=None, metavar="PATTERN",
+                   help="run only the train rows whose name matches one of these shell-style "
+                        "patterns, e.g. 'seg 128^3 x8, *, compiled' (the others say skipped)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="timed steps per train row (default: 6 on a GPU, 2 with --dry-run)")
+    p.add_argument("--profile", nargs="+", default=None, metavar="PATTERN",
+                   help="after timing the train rows that match, profile 3 more steps of "
+                        "each and print the operators that take the most time")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
     bad = [s for s in sections if s not in SECTIONS]
@@ -437,6 +484,8 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("bench/gpu.py needs a CUDA GPU (or --dry-run to check it on a CPU)")
         device, sizes = torch.device("cuda"), FULL
+    if args.steps:
+        sizes = dataclasses.replace(sizes, steps=args.steps)
     start = time.perf_counter()
     deadline = start + args.budget_s
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"

@@ -167,8 +167,8 @@ def bce_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
     shape = (x.shape[0], logits.shape[1], *x.shape[2:])
     if getattr(model, "bench_targets", None) is None or model.bench_targets.shape != shape:
         g = torch.Generator().manual_seed(2)
-        model.bench_targets = (torch.rand(shape, generator=g) > 0.7).to(torch.uint8)
-        model.bench_valid = torch.ones(shape, dtype=torch.uint8)
+        model.bench_targets = (torch.rand(shape, generator=g) > 0.7).to(x.device, torch.uint8)
+        model.bench_valid = torch.ones(shape, dtype=torch.uint8, device=x.device)
     total, count = build_loss("bce").resized(logits, x.shape[2:], model.bench_targets,
                                              model.bench_valid)
     return total / count

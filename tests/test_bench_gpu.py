@@ -67,6 +67,18 @@ def test_gpu_bench_dry_run_fills_every_section():
         assert any("pip install" in row[1] for row in inference), inference
 
 
+def test_gpu_bench_runs_only_the_chosen_rows_and_profiles_them():
+    row = "seg 32^3 x2, sdpa, eager"
+    out = _run("bench/gpu.py", "--dry-run", "--sections", "train", "--train-only", row,
+               "--profile", row)
+    status = {r[0]: r[1] for r in _table(out, "train")}
+    assert status.pop(row) == "ok", status
+    assert set(status.values()) <= {"skipped: not in --train-only",
+                                    "not installed (pip install -r requirements-gpu.txt)"}, status
+    profile = out.split(f"### profile of {row}: 3 steps", 1)[1]
+    assert "aten::linear" in profile.split("\n## train", 1)[0], out
+
+
 @pytest.mark.skipif(not (importlib.util.find_spec("monai") and importlib.util.find_spec("einops")
                          and importlib.util.find_spec("timm")),
                     reason="bench/model_step.py compares with MONAI and timm (benchmark-only "

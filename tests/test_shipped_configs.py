@@ -8,6 +8,7 @@ of the compiled (cluster) configs, ``demo_segmentation_2d`` runs in CI (compile 
 
 from __future__ import annotations
 
+import logging
 import math
 import subprocess
 import tomllib
@@ -167,3 +168,28 @@ def test_gpu_smoke_dry_run_lists_every_cluster_config():
         assert cfg.model.backbone == "dinov3_vits16"  # the ffn type kept, 64-wide heads
         assert cfg.training.compile and cfg.model.attention == "auto"
         assert cfg.training.steps == 3 and cfg.training.batch_size == 4
+
+
+def test_per_op_selective_ac_without_compile_warns(caplog):
+    """Per-op selective AC in eager mode dispatches every op through Python (3.3x slower on a
+    GPU): the run says so and how to fix it; compiled, it says nothing."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.models import build_backbone
+    from torchtitan.models.segmentation import SegmentationModel
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.parallelisms.parallelize import parallelize
+
+    def warnings_for(*flags: str) -> list[str]:
+        cfg = ConfigManager().parse_args(["--activation_checkpoint.mode", "selective", *flags])
+        backbone = build_backbone("vit_debug", ndim=2, in_chans=1, patch_size=8)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torchtitan.parallelisms.parallelize"):
+            parallelize(SegmentationModel(backbone, 3, head="linear"), ParallelDims(1, 1, 1, 1),
+                        None, cfg)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    eager = warnings_for("--activation_checkpoint.selective_ac_option", "op",
+                         "--training.compile", "false")
+    assert any("selective_ac_option = 'op' without training.compile" in m for m in eager), eager
+    assert not warnings_for("--activation_checkpoint.selective_ac_option", "2",
+                            "--training.compile", "false")

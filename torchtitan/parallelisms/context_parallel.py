@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed._functional_collectives import all_gather_single
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.models.context import ContextParallelModel, SequenceShard, use_context
@@ -59,6 +59,11 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> SequenceShard:
     if not isinstance(model, ContextParallelModel):
         raise ValueError(f"context parallelism splits a ContextParallelModel (the segmentation "
                          f"model, the MAE), not a {type(model).__name__}")
+    try:  # torch 2.13's differentiable all-gather; imported here so that the rest runs on older torch
+        from torch.distributed._functional_collectives import all_gather_single
+    except ImportError as e:
+        raise RuntimeError(f"context parallelism needs torch==2.13.0 (pinned in pyproject.toml); "
+                           f"torch {torch.__version__} lacks all_gather_single") from e
     group = cp_mesh.get_group()
 
     def gather(t: Tensor, dim: int) -> Tensor:

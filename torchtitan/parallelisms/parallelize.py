@@ -154,7 +154,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
         check_parallelism(model, dims, cfg)
         apply_tp(block_lists(model), mesh["tp"])
         logger.info("applied tensor parallelism %d to every transformer block", dims.tp)
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    ac = cfg.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_ac_option)
+    if ac.mode == "selective" and ac.selective_ac_option == "op" and not cfg.training.compile:
+        logger.warning(
+            "activation_checkpoint.selective_ac_option = 'op' without training.compile: every "
+            "op of every block passes through a Python dispatch mode, which made a 3D ViT-L "
+            "step 3.3x slower than no checkpointing on an H200 (BENCHMARKS.md, GPU); compiled, "
+            "the same policy is free. Set training.compile = true, or checkpoint whole blocks "
+            "(mode = 'full', or selective_ac_option = an integer N)")
     if cfg.training.compile:
         apply_compile(model)
     if dims.fsdp_enabled:
