@@ -55,6 +55,23 @@ def test_upconv_channel_schedule():
     assert [s.up.out_channels for s in wide.stages] == [64, 32, 16, 16]
 
 
+def test_head_min_channels_sets_the_full_resolution_width():
+    """``model.head_min_channels`` from the config to the head: the decoder halves down to
+    it, the image skip and encoder start at it, and it shapes the checkpoint's model."""
+    from torchtitan.checkpoint.launch_history import MODEL_SHAPING_KEYS
+
+    cfg = JobConfig()
+    cfg.data.classes = ["mito", "er"]
+    m = cfg.model
+    m.backbone, m.ndim, m.patch_size, m.crop_size = "vit_debug", 2, 16, [32, 32]
+    m.head, m.head_channels, m.head_image_levels, m.head_min_channels = "multiscale", 128, 4, 32
+    head = SegmentationTask(cfg).build_model().head
+    assert [s.up.out_channels for s in head.stages] == [64, 32, 32, 32]
+    assert head.classifier.in_channels == 32 and head.skip[0][0].out_channels == 32
+    assert [d[0].out_channels for d in head.down] == [64, 128, 256]
+    assert "model.head_min_channels" in MODEL_SHAPING_KEYS["segmentation"]
+
+
 def test_upconv_sees_single_voxels():
     """Through its image skip, the upconv head answers a one-voxel change of the input at
     that voxel and its neighbours, not across whole patches."""

@@ -437,6 +437,10 @@ class Model:
     )
     head_channels: int = opt(
         64, "Segmentation 'upconv' and 'multiscale' heads: channels of the first stage.", min=1)
+    head_min_channels: int = opt(
+        16, "Segmentation 'upconv' and 'multiscale' heads: the narrowest decoder width (the "
+        "channels halve per x2 upsampling down to this; it is the width at full resolution) "
+        "and the width of the image skip at full resolution.", min=1)
     head_image_levels: int = opt(
         0, "Segmentation 'upconv' and 'multiscale' heads: resolutions at which the input "
         "image is encoded by convolutions and fused into the decoder: 1 = full resolution, "

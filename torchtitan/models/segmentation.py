@@ -154,23 +154,23 @@ class DownStage(nn.Sequential):
 class UpConvHead(nn.Module):
     """Patch features -> full-resolution logits, for thin structures.
 
-    Shapes for patch size p = 2^S, ``channels`` = C (c_s = max(C / 2^s, 16)) and
+    Shapes for patch size p = 2^S, ``channels`` = C, ``min_channels`` = m (c_s = max(C / 2^s,
+    m); m = 16 by default) and
     ``image_levels`` = K (1: "upconv"; 3: "multiscale")::
 
         features (B, F, *grid) -- dropout, 1x1 conv ---------------> (B, C,   *grid)
         S x UpStage: x2 transposed conv, 3x3 conv, GN, GELU -------> (B, c_S, *grid * p)
-        image (B, in_chans, *grid * p) -- 2 x ConvNormAct ---------> (B, 16,  *grid * p)
+        image (B, in_chans, *grid * p) -- 2 x ConvNormAct ---------> (B, m,   *grid * p)
         concat -> ConvNormAct -> 1x1 conv -------------------------> (B, num_classes, *grid * p)
 
     With K > 1 the image is also encoded at 1/2, ..., 1/2^(K-1) of its resolution (a stride-2
-    DownStage each, 16 * 2^k channels), and each of those maps is concatenated and fused
+    DownStage each, m * 2^k channels), and each of those maps is concatenated and fused
     (ConvNormAct) where the decoder passes through that resolution, as in UNETR's and
     nnU-Net's skip connections: edges and thin tubes a few voxels wide, which no patch token
     resolves, reach the decoder at every scale. The ViT features enter at the patch grid, the
     outputs of several blocks concatenated (``out_layers``).
     """
 
-    MIN_CHANNELS = 16
     # Dimensions whose decoder runs channels-last (bench/model_step.py --head-layouts)
     CHANNELS_LAST_NDIMS: tuple[int, ...] = (3,)
 
@@ -184,6 +184,7 @@ class UpConvHead(nn.Module):
         channels: int = 64,
         dropout: float = 0.0,
         image_levels: int = 1,
+        min_channels: int = 16,
     ):
         super().__init__()
         if patch_size < 1 or patch_size & (patch_size - 1):
@@ -198,7 +199,7 @@ class UpConvHead(nn.Module):
         num_stages = patch_size.bit_length() - 1  # log2(patch_size)
         # Image levels beyond the patch grid's resolution would have nothing to join.
         self.image_levels = min(image_levels, num_stages + 1)
-        min_channels = min(self.MIN_CHANNELS, channels)
+        min_channels = min(min_channels, channels)
 
         self.dropout = nn.Dropout(dropout)
         self.proj = conv(in_channels, channels, kernel_size=1)
@@ -301,7 +302,8 @@ class SegmentationModel(ContextParallelModel):
     """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
 
     ``head``: "linear", "upconv" or "multiscale" (``head_channels`` sets the width of the
-    convolutional heads; ``head_image_levels`` the number of resolutions at which they encode
+    convolutional heads, ``head_min_channels`` their narrowest, at full resolution;
+    ``head_image_levels`` the number of resolutions at which they encode
     and fuse the input image, 0 for the head's own: 1 for "upconv", 3 for "multiscale").
     ``freeze_backbone``: train only the head. The backbone's parameters stop requiring
     gradients (the optimizer skips them), its forward runs under ``torch.no_grad`` (no
@@ -318,6 +320,7 @@ class SegmentationModel(ContextParallelModel):
         head_channels: int = 64,
         head_image_levels: int = 0,
         freeze_backbone: bool = False,
+        head_min_channels: int = 16,
         dropout: float = 0.0,
     ):
         super().__init__()
@@ -336,6 +339,7 @@ class SegmentationModel(ContextParallelModel):
                 self.ndim, in_channels, num_classes, backbone.patch_size, backbone.in_chans,
                 channels=head_channels, dropout=dropout,
                 image_levels=head_image_levels or HEAD_IMAGE_LEVELS[head],
+                min_channels=head_min_channels,
             )
         if not next(self.head.parameters()).is_meta:  # on meta, init_weights runs after to_empty
             self.head.init_weights()

@@ -101,6 +101,7 @@ class SegmentationTask(TaskBase):
                                   patch_size=m.patch_size, attention=m.attention)
         return SegmentationModel(backbone, len(self.channels), head=m.head,
                                  out_layers=m.backbone_out_layers, head_channels=m.head_channels,
+                                 head_min_channels=m.head_min_channels,
                                  head_image_levels=m.head_image_levels,
                                  freeze_backbone=m.freeze_backbone)
 
