@@ -169,8 +169,12 @@ def bce_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
         g = torch.Generator().manual_seed(2)
         model.bench_targets = (torch.rand(shape, generator=g) > 0.7).to(x.device, torch.uint8)
         model.bench_valid = torch.ones(shape, dtype=torch.uint8, device=x.device)
-    total, count = build_loss("bce").resized(logits, x.shape[2:], model.bench_targets,
-                                             model.bench_valid)
+    # Compiled, as the trainer's, when the blocks are (training.compile).
+    compiled = any(hasattr(b, "_orig_mod") for b in model.backbone.blocks)
+    if getattr(model, "bench_loss", (None, None))[0] is not compiled:
+        model.bench_loss = (compiled, build_loss("bce", compiled=compiled))
+    total, count = model.bench_loss[1].resized(logits, x.shape[2:], model.bench_targets,
+                                               model.bench_valid)
     return total / count
 
 

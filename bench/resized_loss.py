@@ -4,7 +4,8 @@ by side in one process.
 
     python bench/resized_loss.py [--size 96] [--classes 4] [--batch 2] [--patch 16] [--repeats 15]
 
-For each loss: forward + backward milliseconds (median, the two ways interleaved), and the
+For each loss: forward + backward milliseconds (median, the ways interleaved; the third is the
+first with the loss compiled, as ``training.compile = true`` runs it), and the
 bytes autograd keeps between forward and backward (every tensor saved for the backward pass,
 counted by a saved-tensor hook, but for the logits, targets and mask, which live anyway): the
 memory that grows with the crop and the classes. Targets
@@ -66,32 +67,38 @@ def main(argv=None) -> int:
     print(f"### logits {args.batch} x {args.classes} x {args.size}^3 from a {grid}^3 patch grid "
           f"({full_mb:.0f} MB of float32 at full resolution), {torch.get_num_threads()} threads, "
           f"slabs of about {SLAB_ELEMENTS['cpu']} elements on the CPU, median of {args.repeats}\n")
-    print("| loss | slab by slab (ms) | whole logits (ms) | speed-up | kept for backward: slabs "
-          "| whole |")
-    print("|---|---|---|---|---|---|")
+    print("| loss | slab by slab (ms) | whole logits (ms) | speed-up | slab by slab, compiled "
+          "(ms) | kept for backward: slabs | whole |")
+    print("|---|---|---|---|---|---|---|")
     for name in LOSSES:
         loss = build_loss(name)
+        fused = build_loss(name, compiled=True)  # what training.compile = true runs
 
         def slabs():
             total, count = loss.resized(low, size, targets, valid)
+            return total / count
+
+        def compiled():
+            total, count = fused.resized(low, size, targets, valid)
             return total / count
 
         def whole():
             total, count = loss(resize_linear(low, size), targets, valid)
             return total / count
 
-        times = {slabs: [], whole: []}
-        for fn in (slabs, whole):
-            fn().backward()
+        times = {slabs: [], whole: [], compiled: []}
+        for fn in times:
+            fn().backward()  # and compiles
         for r in range(args.repeats):
-            for fn in ((slabs, whole) if r % 2 == 0 else (whole, slabs)):
+            for fn in (list(times) if r % 2 == 0 else list(times)[::-1]):
                 t0 = time.perf_counter()
                 fn().backward()
                 times[fn].append(time.perf_counter() - t0)
-        a, b = statistics.median(times[slabs]) * 1e3, statistics.median(times[whole]) * 1e3
+        a, b, c = (statistics.median(times[fn]) * 1e3 for fn in (slabs, whole, compiled))
         inputs = (low, targets, valid)
         ka, kb = saved_bytes(slabs, inputs) / 2**20, saved_bytes(whole, inputs) / 2**20
-        print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {ka:.2f} MB | {kb:.0f} MB |")
+        print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {c:.1f} | {ka:.2f} MB | "
+              f"{kb:.0f} MB |")
         sys.stdout.flush()
     print(f"\nfloor of bce: {element_floor(shape, args.repeats) * 1e3:.1f} ms (softplus + sigmoid "
           "of every full-resolution logit, slab by slab, nothing else)")

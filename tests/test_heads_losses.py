@@ -374,6 +374,30 @@ def test_task_builds_model_and_loss_from_config(loss):
     assert count == expected[1] and count > 0
 
 
+def test_task_compiles_its_loss_with_the_model():
+    """``training.compile = true`` compiles the loss the task takes (once per run), with the
+    same sum and count as the eager one."""
+    results = {}
+    for compiled in (False, True):
+        cfg = JobConfig()
+        cfg.data.classes = ["mito", "er"]
+        cfg.training.compile = compiled
+        m = cfg.model
+        m.backbone, m.ndim, m.patch_size, m.crop_size, m.loss = "vit_debug", 2, 8, [16, 16], "bce"
+        task = SegmentationTask(cfg)
+        torch.manual_seed(0)
+        model = task.build_model()
+        g = torch.Generator().manual_seed(0)
+        batch = Batch(image=torch.randn(2, 1, 16, 16, generator=g),
+                      target=(torch.rand(2, 2, 16, 16, generator=g) > 0.5).to(torch.uint8),
+                      valid=torch.ones(2, 2, 16, 16, dtype=torch.uint8),
+                      index=torch.arange(2), resampled=torch.zeros(2, dtype=torch.int64))
+        results[compiled] = task.loss_terms(model, batch)
+        assert task._loss.compiled is compiled
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-6)
+    assert results[True][1] == results[False][1]
+
+
 @pytest.mark.parametrize("dice_on", ["joins", "cuts"])
 def test_dice_on_cuts_scores_the_complement_of_the_affinity_channels(dice_on):
     """affinities.dice_on = "cuts": the Dice term of an affinity channel is that of 1 - p
@@ -485,6 +509,31 @@ def test_resized_loss_equals_the_loss_of_the_resized_logits(name, grid, size, pe
     assert count_s == count
     assert (grad_s - grad).abs().max() <= 1e-5 * grad.abs().max()
     assert grad.abs().max() > 0
+
+
+def test_compiled_loss_takes_the_same_sums_and_gradient(monkeypatch):
+    """``build_loss(..., compiled=True)`` (training.compile) fuses the statistics and their
+    written-out gradient; the sum, count and gradient stay those of the eager loss, slab by
+    slab over slabs of two sizes and on whole logits."""
+    from torchtitan.models import resize
+
+    size = (9, 10, 12)
+    monkeypatch.setitem(resize.SLAB_ELEMENTS, "cpu", 4 * 3 * 2 * 10 * 12)  # 2 rows: 5 slabs
+    _, targets, valid = loss_inputs(3)
+    full = F.interpolate(targets, size=size, mode="nearest").to(torch.uint8)
+    valid = F.interpolate(valid, size=size, mode="nearest").to(torch.uint8)
+    low = torch.randn(4, 3, 3, 4, 5, generator=torch.Generator().manual_seed(1),
+                      requires_grad=True)
+    eager, fused = build_loss("bce_dice", [1.0, 2.0, 0.5]), build_loss("bce_dice", [1.0, 2.0, 0.5],
+                                                                      compiled=True)
+    for run in (lambda loss: loss.resized(low, size, full, valid),
+                lambda loss: loss(resize.resize_linear(low, size), full, valid)):
+        (total, count), (total_c, count_c) = run(eager), run(fused)
+        grad, = torch.autograd.grad(total / count, low)
+        grad_c, = torch.autograd.grad(total_c / count_c, low)
+        torch.testing.assert_close(total_c, total, rtol=1e-5, atol=1e-6)
+        assert count_c == count
+        assert (grad_c - grad).abs().max() <= 1e-5 * grad.abs().max() and grad.abs().max() > 0
 
 
 def test_slab_statistics_keep_no_full_resolution_tensor_for_the_backward():

@@ -23,7 +23,7 @@ from torchtitan.models import (
     training_flops_per_sample,
 )
 from torchtitan.models.context import context_shard, local_part
-from torchtitan.models.losses import complement_channels
+from torchtitan.models.losses import Loss, complement_channels
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -83,6 +83,7 @@ class SegmentationTask(TaskBase):
         # The model's outputs: the classes, then the affinities of [affinities] (if any).
         self.affinities = AffinitySpec.from_config(cfg)
         self.channels = output_channels(cfg.data.classes, self.affinities)
+        self._loss: Loss | None = None  # model.loss with its class weights (loss_terms)
 
     # -- data -----------------------------------------------------------------------------------
 
@@ -119,14 +120,16 @@ class SegmentationTask(TaskBase):
         m = self.cfg.model
         shard = context_shard(model)  # the part of every sample the model computes (or None)
         logits = model(batch.image, output_size=batch.target.shape[2:], resize=False)
-        weights = None
-        if m.class_weights:  # affinity channels weigh 1
-            weights = torch.tensor(m.class_weights + [1.0] * len(self.affinities),
-                                   device=logits.device)
+        if self._loss is None:  # built once: compiled with the model (training.compile)
+            weights = None
+            if m.class_weights:  # affinity channels weigh 1
+                weights = torch.tensor(m.class_weights + [1.0] * len(self.affinities),
+                                       device=logits.device)
+            self._loss = build_loss(m.loss, weights, compiled=self.cfg.training.compile)
         target, valid = local_part(shard, batch.target), local_part(shard, batch.valid)
         if self.cfg.affinities.dice_on == "cuts" and len(self.affinities):
             logits, target = complement_channels(logits, target, len(self.cfg.data.classes))
-        return build_loss(m.loss, weights).resized(logits, target.shape[2:], target, valid)
+        return self._loss.resized(logits, target.shape[2:], target, valid)
 
     # -- validation -----------------------------------------------------------------------------
 
