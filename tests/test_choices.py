@@ -111,3 +111,18 @@ def test_no_module_compares_voxel_sizes_with_its_own_tolerance():
     found = [f"{p.relative_to(package)}:{i}" for p in sorted(package.rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def test_no_module_renames_a_choice():
+    """A constant of ``torchtitan.choices`` keeps its one name: no module binds a second name
+    to it (``THRESHOLD = PROBABILITY_THRESHOLD``), which would let the two drift apart."""
+    import re
+    from pathlib import Path
+
+    package = Path(choices.__file__).parent
+    names = [n for n in vars(choices) if n.isupper()]
+    alias = re.compile(rf"^(\w+)[ \t]*=[ \t]*(?:choices\.)?({'|'.join(names)})[ \t]*(#.*)?$", re.M)
+    found = [f"{path.relative_to(package)}: {m.group(1)} = {m.group(2)}"
+             for path in package.rglob("*.py") if path.name != "choices.py"
+             for m in alias.finditer(path.read_text()) if m.group(1) != m.group(2)]
+    assert not found, found

@@ -55,9 +55,9 @@ import numpy as np
 import scipy.ndimage as ndi
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, MEMBRANE_OF
-from torchtitan.choices import AFFINITY_CUTS
+from torchtitan.choices import AFFINITY_CUTS, PROBABILITY_THRESHOLD
 from torchtitan.errors import UserError
-from torchtitan.scoring.metrics import THRESHOLD, combine_scores, label_instances, score_crop
+from torchtitan.scoring.metrics import combine_scores, label_instances, score_crop
 from torchtitan.postprocess.affinities import affinity_instances
 from torchtitan.postprocess.neurons import boundary_instances
 
@@ -393,7 +393,8 @@ def postprocess(masks: dict, voxel_size, pp: PostProcessing,
 
 
 def measure(probabilities: dict, truth: dict, voxel_size, pp, valid: dict | None = None,
-            threshold: float = THRESHOLD, instance_classes=INSTANCE_CLASSES) -> dict[str, dict]:
+            threshold: float = PROBABILITY_THRESHOLD,
+            instance_classes=INSTANCE_CLASSES) -> dict[str, dict]:
     """Scores of one crop raw and after each post-processing step.
 
     ``probabilities``: ``{class: probabilities or boolean mask}`` on the grid of ``truth``

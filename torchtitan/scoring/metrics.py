@@ -75,8 +75,6 @@ from torchtitan.cellmap.classes import INSTANCE_CLASSES, NEURON_CLASSES
 from torchtitan.scoring.hausdorff import hausdorff_cap, normalize_distance, truth_hausdorff
 from torchtitan.scoring.neuron_metrics import neuron_scores, pool_neuron_scores
 
-# Probabilities (and linearly resampled binary masks) above this count as foreground.
-THRESHOLD = PROBABILITY_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +152,7 @@ def _as_mask_or_ids(x, valid) -> np.ndarray:
     with the voxels outside ``valid`` set to background."""
     x = np.asarray(x)
     if x.dtype.kind == "f":
-        x = x > THRESHOLD
+        x = x > PROBABILITY_THRESHOLD
     elif x.dtype != bool and (x.size == 0 or x.max() <= 1):
         x = x > 0  # a 0/1 mask
     if valid is not None:
@@ -409,7 +407,7 @@ def score_class(pred, truth, valid, voxel_size, instance: bool, neuron: bool = F
             f"{np.shape(valid)} must have one shape (resample the prediction to the crop's grid)"
         )
     if pred.dtype.kind == "f":
-        pred = pred > THRESHOLD
+        pred = pred > PROBABILITY_THRESHOLD
     scores = {"type": "semantic", **semantic_crop_scores(pred, truth, valid)}
     if instance:
         truth_ids, stored_ids = truth_instances(truth, valid)

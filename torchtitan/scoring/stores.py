@@ -84,9 +84,9 @@ from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to
 from torchtitan.cellmap.ome_ngff import read_multiscales
 from torchtitan.data.sources import cellmap
 from torchtitan.data.io.stores import StoreContext
+from torchtitan.choices import PROBABILITY_THRESHOLD
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import (
-    THRESHOLD,
     classes_and_overall,
     combine_scores,
     instance_overlaps,
@@ -214,7 +214,7 @@ def resample_prediction(stores: StoreContext, level, name: str, origin, voxel_si
     elif dtype.kind not in "fb":
         raise SubmissionError(f"{level.path}: unsupported dtype {dtype}; use bool, integers or floats")
     image, _ = cellmap.read_linear(stores, level, origin, voxel_size, shape, fill=0)
-    return image > THRESHOLD
+    return image > PROBABILITY_THRESHOLD
 
 
 def read_truth(crop, name: str):
@@ -316,7 +316,7 @@ def score_label(pred, truth, valid, voxel_size, name: str, version: str = DEFAUL
         return {"predicted": True, "num_voxels": num_voxels,
                 **score_class(pred, truth, valid, voxel_size, kind == "instance", name in NEURON_CLASSES)}
     if pred.dtype.kind == "f":
-        pred = pred > THRESHOLD
+        pred = pred > PROBABILITY_THRESHOLD
     pred = np.where(valid, pred, 0)
     out = {"type": kind, "predicted": True, "num_voxels": num_voxels, **semantic_crop_scores(pred, truth)}
     if kind == "instance":
