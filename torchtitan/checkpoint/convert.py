@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan.checkpoint.reading import complete_steps, step_folder
+from torchtitan.checkpoint.reading import complete_steps, partial_folder, step_folder
 from torchtitan.errors import UserError
 from torchtitan.models import backbone_config, build_backbone, list_backbones
 from torchtitan.models.inflate import ROPE_PERIODS, adapt_in_chans, inflate_state_dict_2d_to_3d
@@ -301,7 +301,7 @@ def save_seed_checkpoint(
     final = Path(step_dir)
     if final.exists() and not overwrite:
         raise ConversionError(f"{final} already exists; pass --overwrite to replace it")
-    tmp = final.parent / f".{final.name}.tmp"
+    tmp = partial_folder(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)

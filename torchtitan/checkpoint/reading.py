@@ -41,11 +41,18 @@ def step_folder(folder: str | os.PathLike, step: int) -> Path:
 PARTIAL_STEP_RE = re.compile(r"^\.step-(\d+)\.tmp$")
 
 
+def partial_folder(final: str | os.PathLike) -> Path:
+    """Where a checkpoint folder ``final`` is written before its rename into place: hidden,
+    beside it, ``.<name>.tmp``."""
+    final = Path(final)
+    return final.parent / f".{final.name}.tmp"
+
+
 def partial_step_folder(folder: str | os.PathLike, step: int) -> Path:
     """Where step ``step``'s checkpoint is written before its rename to :func:`step_folder`:
     hidden, and never matched by :data:`STEP_RE`, so that a crash mid-save leaves no step
     (:data:`PARTIAL_STEP_RE` finds what a killed job left)."""
-    return Path(folder) / f".step-{step}.tmp"
+    return partial_folder(step_folder(folder, step))
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
