@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import copy
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan.config.manager import Affinities
+from torchtitan.config.manager import JobConfig
 from torchtitan.data.batch import Batch
 from torchtitan.models.mae import MaskedAutoencoder
 from torchtitan.models.segmentation import SegmentationModel
@@ -40,12 +39,19 @@ def backbone() -> DinoVisionTransformer:
                                  layerscale_init=1.0)
 
 
-# The tasks read only these settings (the segmentation task's outputs, and loss_terms).
-SEGMENTATION = SegmentationTask(SimpleNamespace(
-    model=SimpleNamespace(loss="bce", class_weights=[]), data=SimpleNamespace(classes=["a"]),
-    affinities=Affinities()))
-MAE = MAETask(SimpleNamespace(model=SimpleNamespace(mask_ratio=0.5, patch_size=PATCH,
-                                                    norm_pix_loss=True)))
+def job_config(**sections) -> JobConfig:
+    """The defaults with the settings the tasks read here (the segmentation task's outputs,
+    loss_terms): a real config, so that a new option has its default."""
+    cfg = JobConfig()
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+SEGMENTATION = SegmentationTask(job_config(model={"loss": "bce", "class_weights": []},
+                                           data={"classes": ["a"]}))
+MAE = MAETask(job_config(model={"mask_ratio": 0.5, "patch_size": PATCH, "norm_pix_loss": True}))
 
 
 def batch(image, valid, **fields) -> Batch:
