@@ -209,8 +209,8 @@ class Loss:
         self.compiled = compiled and self._gradient is not None
         if self.compiled:
             # The sigmoid losses' element-wise passes (masks, softplus, sigmoid, products,
-            # sums) fused into a loop or two per slab: half the loss's time on a CPU
-            # (BENCHMARKS.md), fewer kernels on a GPU. "ce" resizes whole and is left eager.
+            # sums) fused into a loop or two per slab: a quarter to two fifths less of the
+            # loss's time on a CPU (BENCHMARKS.md), fewer kernels on a GPU. "ce" resizes whole and is left eager.
             self.statistics = torch.compile(self.statistics)
             self.gradient = torch.compile(self.gradient)
 
