@@ -28,8 +28,14 @@ rest on our trainer suiting a U-Net.
 
 Equal budget: each model first trains ``--calibrate`` steps to measure its step time here,
 then trains ``budget / step time`` steps (so that each finishes its own LR schedule within the
-budget) and validates at the end. A ``*_plain`` model is not calibrated: it trains until its
-budget is spent and reports the steps that took. The table gives the wall time each run took.
+budget) and validates at the end. Its clock has the last word: every trainer run also gets
+``--training.time_budget_s budget``, which ends it (finished: saved and validated) at the first
+step boundary past which another step would end beyond the budget, by the same rule as the
+plain loop's; a run whose schedule is constant after its warmup (``lr_scheduler.decay_type =
+"constant"``) is given twice the calibrated steps, so that the clock alone decides where it
+stops, whatever the machine's speed does after the calibration. A ``*_plain`` model is not
+calibrated: it trains until its budget is spent. The table gives the steps each run trained and
+the wall time it took.
 ``--steps N`` trains every model for N steps instead (equal steps, e.g. to compare
 initialisations).
 
@@ -168,6 +174,17 @@ def launch(name: str, spec: str, argv: list[str], nproc: int, log: Path,
     return wall
 
 
+def constant_schedule(spec: str, data) -> bool:
+    """Whether the config of ``spec`` keeps its learning rate constant after the warmup."""
+    from torchtitan.config.manager import ConfigManager
+
+    config, *extra = shlex.split(spec)
+    default = ["--data.dataset_path", str(data)] if data is not None else []
+    with contextlib.chdir(REPO):
+        cfg = ConfigManager().parse_args(["--job.config_file", config, *default, *extra])
+    return cfg.lr_scheduler.decay_type == "constant"
+
+
 def finished_run(dump: Path, flags: list[str]) -> bool:
     """Whether ``dump`` holds a run of exactly the config that ``flags`` resolve to (its
     first launch's ``config.toml``), validated at its last step."""
@@ -181,8 +198,10 @@ def finished_run(dump: Path, flags: list[str]) -> bool:
         config = ConfigManager().parse_args(flags)
     if config_to_dict(config) != read_toml(str(saved)):
         return False
-    return any(r.get("step") == config.training.steps and any(k.startswith("val/") for k in r)
-               for r in records(dump))
+    validated = [r for r in records(dump) if any(k.startswith("val/") for k in r)]
+    if config.training.time_budget_s > 0:  # the clock decided its last step
+        return bool(validated)
+    return any(r.get("step") == config.training.steps for r in validated)
 
 
 def recorded_wall(dump: Path) -> float:
@@ -352,23 +371,28 @@ def run_models(args, models: dict[str, str], pretrained: dict[str, Path], seeds:
         plain = PLAIN_UNETS.get(name.split("@")[0])  # its ndim
         if plain and (flags or limit):
             raise SystemExit(f"model {name!r}: a plain U-Net trains from scratch on every label")
+        clock = []
         if steps or args.steps or plain:
             step_s, steps = math.nan, steps or args.steps
         else:
             step_s = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
             steps = max(1, int(args.budget / step_s))
+            if constant_schedule(spec, args.data):
+                steps *= 2
+            clock = ["--training.time_budget_s", str(args.budget)]
         runs = seed_runs(name + fraction_tag(fraction), seeds)
         for run, seed_flags in runs:
             if plain:
-                steps, wall, scores = train_plain(run, plain, spec, args.data, args.out,
-                                                  args.budget, args.steps, seed_flags)
+                trained, wall, scores = train_plain(run, plain, spec, args.data, args.out,
+                                                    args.budget, args.steps, seed_flags)
             else:
                 wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
-                                     [*flags, *limit, *seed_flags])
-            results[run] = (steps, wall, scores)
+                                     [*flags, *limit, *seed_flags, *clock])
+                trained = int(scores.get("step", steps))
+            results[run] = (trained, wall, scores)
             classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
             timed = "" if math.isnan(step_s) else f"{step_s:.3f} s/step -> "
-            print(f"{run}: {timed}{steps} steps, {wall:.0f} s, mean IoU "
+            print(f"{run}: {timed}{trained} steps, {wall:.0f} s, mean IoU "
                   f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
         if len(seeds) > 1:
             results[f"{name + fraction_tag(fraction)} mean"] = seed_mean(

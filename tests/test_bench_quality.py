@@ -29,10 +29,22 @@ def test_plain_unet_rows_train_for_their_budget_and_reach_the_table(demo_data, t
     config = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
               "--data.val_crops jrc_synth-2/crop7 --inference.batch_size 32")
     out = tmp_path / "quality"
-    quality.main(["--data", str(demo_data), "--out", str(out), "--budget", "3",
+    vit = f"{config} --model.crop_size 64,64 --lr_scheduler.decay_type constant"
+    quality.main(["--data", str(demo_data), "--out", str(out), "--budget", "3", "--nproc", "1",
+                  "--calibrate", "4", "--model", f"vit={vit}",
                   "--model", f"unet2d_plain={config} --model.crop_size 64,64",
                   "--model", f"unet3d_plain={config} --model.crop_size 16,32,32"])
     printed = capsys.readouterr().out
+    # Our trainer's row: a constant schedule gets twice its calibrated steps and the clock
+    # (training.time_budget_s) ends it, finished and validated, at the step it reached.
+    import tomllib
+
+    assert quality.constant_schedule(vit, demo_data)
+    assert not quality.constant_schedule(config, demo_data)
+    saved = tomllib.loads((out / "vit" / "config.toml").read_text())["training"]
+    assert saved["time_budget_s"] == 3.0
+    vit_record = quality.records(out / "vit")[-1]
+    assert 1 <= vit_record["step"] < saved["steps"] and "val/mean_iou" in vit_record
     for name in ("unet2d_plain", "unet3d_plain"):
         (record,) = quality.records(out / name)
         assert record["step"] >= 1 and 0 <= record["val/mean_iou"] <= 1, record

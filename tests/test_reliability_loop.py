@@ -241,6 +241,23 @@ def test_slurm_script_requeues_on_time_limit(demo_data, tmp_path):
     assert _loss_steps(dump) == list(range(1, step + 1))
 
 
+def test_time_budget_ends_the_run_finished(demo_data, tmp_path):
+    """training.time_budget_s: both ranks stop at the same step well before training.steps,
+    save and validate it as the last step, and exit 0 (no requeue)."""
+    dump = tmp_path / "run"
+    args = _seg_args(demo_data, dump, "--training.time_budget_s", "4")
+    args[args.index("--training.steps") + 1] = "100000"
+    r = launch("train_segmentation.py", args)
+    _ok(r)
+    steps = _loss_steps(dump)
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and 1 <= last < 100000
+    assert any(k.startswith("val/") for k in read_jsonl(dump / "logs" / "metrics.jsonl")[-1])
+    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
+    assert not (dump / "REQUEUE").exists()
+    assert "training.time_budget_s (4 s) spent: finished after step" in r.stdout + r.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Non-finite steps
 # ---------------------------------------------------------------------------------------------

@@ -127,6 +127,9 @@ class Trainer:
         self.checkpoint: CheckpointManager | None = None
         self.metrics: MetricLogger | None = None
         self.stop: StopRequest | None = None
+        # training.time_budget_s counts from the start of this launch's first step.
+        self.train_started: float | None = None
+        self.first_step = 1
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -231,15 +234,18 @@ class Trainer:
 
     # -- loop -----------------------------------------------------------------------------------
 
-    def train_step(self, batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    def train_step(self, batch: Batch, step: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool, bool, bool]:
         """One optimizer step on this rank's ``batch`` (from the loader, on the host); returns
         (global mean loss, gradient norm) as device tensors
-        (read only at log steps), whether the update was skipped as non-finite, and whether
-        the run must stop after this step.
+        (read only at log steps), whether the update was skipped as non-finite, whether
+        the run must stop after this step (and be requeued), and whether
+        ``training.time_budget_s`` is spent (the run ends after this step, finished).
 
-        One host sync per step: the decision "skip / stop", taken from one all-reduce (MAX,
-        over all ranks) of [non-finite local loss or global norm, stop requested here]. The
-        loss and norm are read on the host only at log steps.
+        One host sync per step: the decision "skip / stop / end", taken from one all-reduce
+        (MAX, over all ranks) of [non-finite local loss or global norm, stop requested here,
+        budget spent by this rank's clock]. The loss and norm are read on the host only at
+        log steps.
         A non-finite step changes nothing: no optimizer step, no LR-schedule step (as
         Megatron does for skipped iterations: the schedule counts applied updates), the
         gradients are dropped; the data position advances, so the bad batch is not retried.
@@ -263,16 +269,27 @@ class Trainer:
         flags = torch.stack([
             (~torch.isfinite(loss_sum.detach().float())) | (~torch.isfinite(grad_norm.float())),
             torch.tensor(self.stop.reason() is not None, device=self.device),
+            torch.tensor(self._budget_spent(step), device=self.device),
         ]).float()
         if self.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, stop = (bool(v) for v in flags.tolist())
+        nonfinite, stop, spent = (bool(v) for v in flags.tolist())
         if not nonfinite:
             self.optimizer.step()
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         global_sum = _all_reduce(loss_sum.detach().double().clone(), self.loss_mesh)
-        return global_sum / global_count, grad_norm, nonfinite, stop
+        return global_sum / global_count, grad_norm, nonfinite, stop, spent
+
+    def _budget_spent(self, step: int) -> bool:
+        """Whether, by this rank's clock, one more step after ``step`` would end past
+        ``training.time_budget_s`` (counted from this launch's first step; mean step so far)."""
+        budget = self.cfg.training.time_budget_s
+        if budget <= 0 or self.train_started is None:
+            return False
+        elapsed = time.perf_counter() - self.train_started
+        done = step - self.first_step + 1
+        return elapsed + elapsed / done > budget
 
     def _inject_nan_grad(self) -> None:
         """Test-only (TORCHTITAN_FAULT_INJECT=nan_grad@K): a NaN in one local gradient of the
@@ -361,10 +378,13 @@ class Trainer:
         scores: dict[str, float] = {}
         resampled_local = 0
         skipped_in_a_row = 0
+        self.first_step = start + 1
         for step in range(start + 1, total + 1):
             batch = next(data_iter)
             resampled_local += int(batch.resampled.sum())
-            loss_t, norm_t, nonfinite, stop = self.train_step(batch, step)
+            if step == start + 1:
+                self.train_started = time.perf_counter()
+            loss_t, norm_t, nonfinite, stop, spent = self.train_step(batch, step)
             meter.tick()
             self.state.step = step
             if step == start + 1:
@@ -377,7 +397,8 @@ class Trainer:
                 skipped_in_a_row = 0
             if bar is not None:
                 bar.update(1)
-            if step % cfg.metrics.log_freq == 0 or step == total or step == start + 1:
+            last = step == total or spent
+            if step % cfg.metrics.log_freq == 0 or last or step == start + 1:
                 loss, grad_norm = float(loss_t), float(norm_t)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
@@ -392,7 +413,6 @@ class Trainer:
                 if bar is None:
                     logger.info("step %d loss %.4f lr %.2e grad_norm %.3f %.0f voxels/s", step,
                                 loss, values["lr"], grad_norm, values["voxels_per_second"])
-            last = step == total
             # Save before validating: a validation that fails must not cost the checkpoint.
             saved = False
             if self.checkpoint.should_save(step, last) or (stop and self.checkpoint.enabled):
@@ -409,6 +429,11 @@ class Trainer:
                         self._save(step)
                     metric = self.task.best_metric
                     self.checkpoint.mark_best(scores[metric], metric)
+            if spent:
+                logger.info("training.time_budget_s (%g s) spent: finished after step %d of %d "
+                            "(%.1f s of training)", cfg.training.time_budget_s, step, total,
+                            time.perf_counter() - self.train_started)
+                break
         if bar is not None:
             bar.close()
         if start >= total and not scores:

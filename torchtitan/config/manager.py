@@ -155,6 +155,13 @@ class Training:
                                      and all(x.isdigit() for x in v.split(":"))),
                "must be 'HH:MM:SS' or ''"),
     )
+    time_budget_s: float = opt(
+        0.0, "Seconds of training in this launch, counted from its first step: the run stops at "
+        "the first step boundary past which another step would end beyond them (judged by the "
+        "mean step so far), then saves and validates as at its last step and exits 0, "
+        "finished. The LR schedule still spans training.steps (with decay_type = 'constant' "
+        "it does not matter where the run stops). For comparisons at equal wall-clock time "
+        "(bench/quality.py --budget); 0 = none.", min=0)
     max_skipped_steps: int = opt(
         5, "Stop the run after this many non-finite (NaN/Inf loss or gradient norm) steps in a "
         "row; each such step is skipped (no update).", min=1)
