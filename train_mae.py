@@ -7,9 +7,9 @@ import sys
 from functools import partial
 
 from torchtitan.tasks import MAETask
-from torchtitan.tools.visualization import write_mae_visuals
+from torchtitan.pictures.visualization import write_mae_visuals
 from torchtitan.trainer import run
 
 if __name__ == "__main__":
-    # The picture writer is a tool, handed to the task here: the core never imports tools.
+    # The picture writer is a product, handed to the task here: the core never imports products.
     sys.exit(run(partial(MAETask, visuals=write_mae_visuals)))

@@ -126,7 +126,7 @@ def make_store(root: Path, seed: int = 0) -> None:
 
     from torchtitan.cellmap.grids import Grid
     from torchtitan.cellmap.labels import annotation_attrs
-    from torchtitan.tools.demo_data import (
+    from torchtitan.demo.data import (
         DEMO_CLASSES, EM_PATH, GROUNDTRUTH_PATH, atoms_to_class, downsample_mean, make_scene,
         render_atoms, render_em)
 

@@ -26,7 +26,7 @@ Sections (--sections, all by default):
              bench/data_loader.py's store and config) over the model's samples/s (the best
              segmentation 128^3 row). Above 1 the loader keeps up.
   inference  sliding-window inference of the ViT-L/16 segmentation model in bf16: ours
-             (``torchtitan.inference.predict_volume``) against MONAI's
+             (``torchtitan.inference.sliding_window.predict_volume``) against MONAI's
              ``sliding_window_inference`` on the same model, windows (128^3, overlap 0.25,
              Gaussian blending, the same weight map as in bench/inference.py), windows per
              forward and output placement (windows on the GPU, the volume on the host).
@@ -59,7 +59,7 @@ from types import SimpleNamespace
 
 import torch
 
-from torchtitan.inference import blending_weights, grid_starts, predict_volume
+from torchtitan.inference.sliding_window import blending_weights, grid_starts, predict_volume
 from torchtitan.models import (MaskedAutoencoder, SegmentationModel, build_backbone,
                                training_flops_per_sample, use_attention)
 from torchtitan.models.attention import _fa4_function, fa4_unavailable_reason
@@ -296,7 +296,7 @@ def loader_rows(args, sizes: Sizes, model_rates: dict, table: Table, deadline: f
         return
     with contextlib.ExitStack() as stack:
         if args.dry_run:
-            from torchtitan.tools.demo_data import generate_demo_data
+            from torchtitan.demo.data import generate_demo_data
 
             root = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "demo"
             generate_demo_data(root, seed=0, scale=0.25)

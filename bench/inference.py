@@ -1,4 +1,4 @@
-"""Sliding-window throughput: ours (torchtitan.inference) vs MONAI's sliding_window_inference.
+"""Sliding-window throughput: ours (torchtitan.inference.sliding_window) vs MONAI's sliding_window_inference.
 
     .venv/bin/pip install --no-deps monai==1.6.1      # benchmark only, not a project dependency
     python bench/inference.py [--repeats 5] [--cases 3d,planes] [--models copy,conv,vit]
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from torchtitan.inference import blending_weights, grid_starts, predict_volume
+from torchtitan.inference.sliding_window import blending_weights, grid_starts, predict_volume
 
 NUM_CLASSES = 4
 CASES = {  # name: (volume D,H,W, model window, window in 3D)

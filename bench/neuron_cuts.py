@@ -35,12 +35,12 @@ from torchtitan.cellmap.affinities import AffinitySpec, split_outputs
 from torchtitan.checkpoint.reading import resolve_step_folder
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources.volume_source import build_source
-from torchtitan.inference import VolumePredictor
+from torchtitan.inference.sliding_window import VolumePredictor
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.scoring.metrics import combine_scores, validation_scores
 from torchtitan.tasks import SegmentationTask
 from torchtitan.tasks.segmentation import score_prediction
-from torchtitan.tools.predictor import load_weights
+from torchtitan.inference.predictor import load_weights
 
 # (row label, score key, class or None)
 ROWS = (("VOI split", "voi_split", "cell"), ("VOI merge", "voi_merge", "cell"),

@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data"
     if not (data / "jrc_synth-1").is_dir():
-        from torchtitan.tools.demo_data import generate_demo_data
+        from torchtitan.demo.data import generate_demo_data
 
         generate_demo_data(data, seed=0, scale=0.5)
     make_big_dataset(data, shape)

@@ -473,7 +473,7 @@ def plot_label_efficiency(summary: dict[str, dict], fractions, out: Path) -> Pat
     (equal time) is a ring."""
     from PIL import Image, ImageDraw
 
-    from torchtitan.tools.drawing import default_font
+    from torchtitan.pictures.drawing import default_font
 
     width, height, left, right, top, bottom = 720, 440, 60, 200, 30, 50
     font = default_font(13)
@@ -608,7 +608,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--unet-worker":
         from functools import partial
 
-        from torchtitan.tools.visualization import write_validation_visuals
+        from torchtitan.pictures.visualization import write_validation_visuals
         from torchtitan.trainer import run
 
         sys.exit(run(partial(unet_task(), visuals=write_validation_visuals), sys.argv[2:]))

@@ -46,8 +46,8 @@ from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import annotates
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
-from torchtitan.tools.cli import parse_classes, parse_voxel_size, script_parser
-from torchtitan.tools.label_crops import all_crops, find_crop, load_sources
+from torchtitan.scripts.cli import parse_classes, parse_voxel_size, script_parser
+from torchtitan.scripts.label_crops import all_crops, find_crop, load_sources
 
 NO_TOKEN_EXIT = 2
 

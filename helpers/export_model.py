@@ -11,7 +11,7 @@ weights, test tensors from a real crop of the training data, the model card and 
 config), ``bioimageio.zip`` (the same package zipped, for bioimage.io, ilastik, deepImageJ,
 QuPath or napari) and ``hub/`` (``README.md`` model card, ``model.safetensors``,
 ``config.toml``). ``predict.py --model OUT/bioimageio`` (or the zip, or ``OUT/hub``) predicts
-with an export as ``--checkpoint`` does with the checkpoint. See torchtitan/tools/export.py.
+with an export as ``--checkpoint`` does with the checkpoint. See torchtitan/export/writer.py.
 """
 
 import argparse
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def card_of(args):
-    from torchtitan.tools.export import Card, ExportError
+    from torchtitan.export.writer import Card, ExportError
 
     cites = []
     for entry in args.cite:
@@ -65,7 +65,7 @@ def card_of(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from torchtitan.tools.export import DEFAULT_OPSET, export_model
+    from torchtitan.export.writer import DEFAULT_OPSET, export_model
 
     written = export_model(args.checkpoint, args.out, config=args.config, data=args.data,
                            formats=tuple(f.strip() for f in args.format.split(",") if f.strip()),

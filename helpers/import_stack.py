@@ -36,7 +36,7 @@ Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and
 
 import sys
 
-from torchtitan.tools.cli import script_parser
+from torchtitan.scripts.cli import script_parser
 from torchtitan.data.imports.id_labels import IdLabels
 from torchtitan.data.imports.image_stack import INSTANCE_MODES, import_stack
 from torchtitan.data.imports.stack_labels import (

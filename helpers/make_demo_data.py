@@ -4,7 +4,7 @@
 
 Does nothing when ``--out`` already holds a complete set made with the same seed and scale
 (a marker file is written last, so an interrupted run is redone). See
-``torchtitan/tools/demo_data.py`` for what the data look like.
+``torchtitan/demo/data.py`` for what the data look like.
 """
 
 import argparse
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan.tools.demo_data import (
+from torchtitan.demo.data import (
     demo_data_complete,
     generate_demo_data,
     preview_png,

@@ -18,7 +18,7 @@ from torchtitan.data.sources.cellmap import DatasetError
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli
-from torchtitan.tools.cli import (
+from torchtitan.scripts.cli import (
     add_gif_args,
     parse_classes,
     parse_list,
@@ -26,8 +26,8 @@ from torchtitan.tools.cli import (
     script_parser,
     write_gif,
 )
-from torchtitan.tools.label_crops import all_crops, canonical_order, find_crop, load_sources, read_crop_volume
-from torchtitan.tools.visualization import grid_frames
+from torchtitan.scripts.label_crops import all_crops, canonical_order, find_crop, load_sources, read_crop_volume
+from torchtitan.pictures.visualization import grid_frames
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -22,8 +22,8 @@ import sys
 from torchtitan.config.manager import flag_type
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import run_cli
-from torchtitan.tools.cli import add_gif_args, parse_classes, parse_voxel_size, script_parser, write_gif
-from torchtitan.tools.label_crops import (
+from torchtitan.scripts.cli import add_gif_args, parse_classes, parse_voxel_size, script_parser, write_gif
+from torchtitan.scripts.label_crops import (
     canonical_order,
     find_crop,
     load_sources,
@@ -31,7 +31,7 @@ from torchtitan.tools.label_crops import (
     read_crop_volume,
     read_prediction,
 )
-from torchtitan.tools.visualization import comparison_frames
+from torchtitan.pictures.visualization import comparison_frames
 
 SCALE = (lambda v: 1 <= v <= 32, "must be an integer zoom in [1, 32]")
 

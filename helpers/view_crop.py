@@ -8,14 +8,14 @@ Neuroglancer reads the stores over HTTP: serve ``--serve_root`` (default: the cu
 folder, which must hold the data and the predictions) with a server that allows
 cross-origin requests, e.g. ``npx http-server . --cors -p 8000``, then open the link. The
 napari command opens the same OME-NGFF groups from disk (``pip install napari
-napari-ome-zarr``). See torchtitan/tools/viewer.py.
+napari-ome-zarr``). See torchtitan/pictures/viewer.py.
 """
 
 import sys
 
-from torchtitan.tools.cli import script_parser
+from torchtitan.scripts.cli import script_parser
 from torchtitan.errors import UserError
-from torchtitan.tools.viewer import crop_view
+from torchtitan.pictures.viewer import crop_view
 
 
 def main(argv=None) -> int:

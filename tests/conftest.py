@@ -28,7 +28,7 @@ SHARED = REPO.parent / "shared"
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
     """A small demo set (same layout and objects as the default one, smaller volumes)."""
-    from torchtitan.tools.demo_data import generate_demo_data
+    from torchtitan.demo.data import generate_demo_data
 
     root = tmp_path_factory.mktemp("demo") / "data"
     generate_demo_data(root, seed=0, scale=0.5)

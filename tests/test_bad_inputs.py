@@ -191,7 +191,7 @@ CASES = [
          ["data.dataset_name 'nobody/no-such-dataset'"],
          env={"HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
               "HF_HOME": "{tmp}/hf_home"}, absent=[SECRET]),
-    Case("score_no_predictions", "torchtitan/tools/scoring.py", ["--predictions", "{tmp}/none.zarr",
+    Case("score_no_predictions", "torchtitan/scoring/__main__.py", ["--predictions", "{tmp}/none.zarr",
                                                               "--groundtruth", "{data}"],
          ["{tmp}/none.zarr"]),
     # ---- output folders and seeds of a training run ---------------------------------------------
@@ -563,7 +563,7 @@ def call_ctx(results, tmp_path_factory) -> dict:
     """The context of the in-process calls: that of the processes, plus a copy of one dataset,
     stores predict.py did not write, prediction stores with grid mistakes and .pth files."""
     from torchtitan.data.sources.cellmap import discover
-    from torchtitan.tools.prediction_store import OWNER_ATTR
+    from torchtitan.inference.store import OWNER_ATTR
 
     ctx = dict(results["ctx"])
     tmp = tmp_path_factory.mktemp("calls")

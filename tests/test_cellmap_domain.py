@@ -23,7 +23,7 @@ from torchtitan.data.sources.cellmap import EM_GROUP, GT_GROUP, discover
 from torchtitan.data.sampling.samples import SegmentationSamples
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import compose_targets, groups_to_read, read_instance_ids, read_raw
-from torchtitan.tools.label_crops import read_crop_volume
+from torchtitan.scripts.label_crops import read_crop_volume
 from torchtitan.scoring.stores import read_truth
 
 REPO = Path(__file__).resolve().parents[1]

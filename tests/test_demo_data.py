@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
-from torchtitan.tools.demo_data import DEMO_CLASSES, generate_demo_data
+from torchtitan.demo.data import DEMO_CLASSES, generate_demo_data
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCALE = 0.25  # small volumes: a whole set takes a couple of seconds
@@ -338,7 +338,7 @@ def test_deterministic(demo, cli_runs, tmp_path):
 
 def test_crash_leaves_set_incomplete(demo, tmp_path, monkeypatch):
     """The marker is removed first and written last: a crash mid-way is detected."""
-    from torchtitan.tools import demo_data
+    from torchtitan.demo import data as demo_data
 
     root, _ = demo
     (tmp_path / ".demo_complete").write_text((root / ".demo_complete").read_text())
@@ -357,7 +357,7 @@ def test_crash_leaves_set_incomplete(demo, tmp_path, monkeypatch):
 def test_preview_png(demo, tmp_path):
     from PIL import Image
 
-    from torchtitan.tools.demo_data import preview_png
+    from torchtitan.demo.data import preview_png
 
     root, names = demo
     out = tmp_path / "preview.png"

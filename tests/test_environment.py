@@ -203,7 +203,7 @@ def test_pyproject_packages_torchtitan_alone():
     find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     library = _dotted_folders(REPO / "torchtitan")
     folders = library | {d.name for d in REPO.iterdir() if d.is_dir() and any(d.glob("*.py"))}
-    assert {"helpers", "bench", "tests", "torchtitan.tools", "torchtitan.cellmap"} <= folders
+    assert {"helpers", "bench", "tests", "torchtitan.inference", "torchtitan.cellmap"} <= folders
     packaged = {d for d in folders if any(fnmatch.fnmatchcase(d, pat) for pat in find["include"])}
     assert packaged == library, sorted(packaged ^ library)
 

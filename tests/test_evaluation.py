@@ -257,7 +257,7 @@ def test_instance_matching_maximises_total_iou():
 
 
 def _run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchtitan.tools.scoring", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "torchtitan.scoring", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -275,7 +275,7 @@ def _truth_crops(root: Path):
 
 @pytest.fixture(scope="module")
 def gt_root(tmp_path_factory) -> Path:
-    from torchtitan.tools.demo_data import generate_demo_data
+    from torchtitan.demo.data import generate_demo_data
 
     root = tmp_path_factory.mktemp("eval") / "data"
     generate_demo_data(root, scale=0.25)

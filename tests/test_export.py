@@ -67,7 +67,7 @@ def train(name: str, data: Path, dump: Path, neurons: Path | None = None) -> Pat
 @pytest.fixture(scope="module")
 def exports(demo_data, neuron_data, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """name -> (run dump folder, export folder), every model trained and exported once."""
-    from torchtitan.tools.export import Card, export_model
+    from torchtitan.export.writer import Card, export_model
 
     root = tmp_path_factory.mktemp("exports")
     out = {}
@@ -115,7 +115,7 @@ def test_bioimageio_core_test_passes_and_the_package_says_what_the_trainer_does(
     from bioimageio.spec import load_model_description
 
     from torchtitan.cellmap.affinities import config_outputs
-    from torchtitan.tools.predictor import load_run_config
+    from torchtitan.inference.predictor import load_run_config
 
     dump, export = exports[name]
     summary = test_model(export / "bioimageio.zip")
@@ -148,7 +148,7 @@ def test_bioimageio_core_test_passes_and_the_package_says_what_the_trainer_does(
 
 
 def test_an_existing_output_folder_is_refused_before_any_work(tmp_path):
-    from torchtitan.tools.export import ExportError, export_model
+    from torchtitan.export.writer import ExportError, export_model
 
     (tmp_path / "out").mkdir()
     with pytest.raises(ExportError, match="exists; choose a new folder"):
@@ -157,7 +157,7 @@ def test_an_existing_output_folder_is_refused_before_any_work(tmp_path):
 
 def test_a_checkpoint_that_cannot_be_read_is_named(exports, tmp_path):
     from torchtitan.errors import UserError
-    from torchtitan.tools.export import export_model
+    from torchtitan.export.writer import export_model
 
     with pytest.raises(UserError, match="does not exist"):
         export_model(str(tmp_path / "missing" / "checkpoint"), tmp_path / "a")
@@ -172,7 +172,7 @@ def test_a_checkpoint_that_cannot_be_read_is_named(exports, tmp_path):
 
 
 def test_an_opset_without_the_models_attention_names_the_operator(exports, tmp_path):
-    from torchtitan.tools.export import ExportError, export_model
+    from torchtitan.export.writer import ExportError, export_model
 
     dump, _ = exports["linear_2d"]
     with pytest.raises(ExportError, match=r"opset 13 cannot express the operator "

@@ -14,7 +14,7 @@ def test_readme_counts_are_the_code_s(demo_data):
     # Each phase ran the code it names.
     assert "torchtitan/trainer.py" in files["step"]
     assert "torchtitan/models/vit.py" in files["step"]
-    assert "torchtitan/inference.py" in files["validation"]
+    assert "torchtitan/inference/sliding_window.py" in files["validation"]
     assert "torchtitan/scoring/metrics.py" in files["validation"]
     assert "torchtitan/data/sampling/samples.py" in files["sample"]
     assert "torchtitan/trainer.py" not in files["sample"]

@@ -5,7 +5,8 @@ Every module of ``torchtitan/`` is parsed with ``ast`` (nothing is imported or r
 statement is resolved to the modules of ours it names, wherever it stands (inside a function
 or an ``if TYPE_CHECKING`` block too: a lazy import is still an import). Then:
 
-* the core (every module outside ``torchtitan/tools/``) imports no tool;
+* the core imports no product (``PRODUCTS``: predict.py's pipeline, export, demo data,
+  pictures, what the helper scripts share);
 * ``errors`` (the ground floor: ``UserError`` and how entry points show it) imports nothing
   of ours;
 * the CellMap domain (``torchtitan/cellmap/``, floor 2) imports nothing of ours but
@@ -93,7 +94,7 @@ def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
 
 def within(name: str, prefix: str) -> bool:
     """Whether module ``name`` is ``prefix`` or inside it; ``prefix`` may end in a shell
-    pattern (``torchtitan.tools*``: every module or package whose name starts so)."""
+    pattern (``torchtitan.demo*``: every module or package whose name starts so)."""
     parts = prefix.split(".")
     return fnmatch.fnmatchcase(".".join(name.split(".")[: len(parts)]), prefix) and \
         len(name.split(".")) >= len(parts)
@@ -114,13 +115,18 @@ def violations(graph: dict[str, set[str]], modules: str, allowed: tuple[str, ...
     return out
 
 
-def core_importing_tools(graph: dict[str, set[str]], package: str = PACKAGE) -> dict[str, set[str]]:
-    """Modules outside ``<package>.tools`` that import something of ``<package>.tools``."""
-    tools = f"{package}.tools"
+def _is_product(name: str, products: tuple[str, ...], core: tuple[str, ...]) -> bool:
+    return any(within(name, p) for p in products) and not any(within(name, c) for c in core)
+
+
+def core_importing_products(graph: dict[str, set[str]], products: tuple[str, ...],
+                            core: tuple[str, ...] = ()) -> dict[str, set[str]]:
+    """Modules outside ``products`` (or inside ``core``, the core modules of a product's
+    package) that import something of ``products``."""
     out = {}
     for name, imported in graph.items():
-        if not within(name, tools):
-            bad = {m for m in imported if within(m, tools)}
+        if not _is_product(name, products, core):
+            bad = {m for m in imported if _is_product(m, products, core)}
             if bad:
                 out[name] = bad
     return out
@@ -133,6 +139,10 @@ def core_importing_tools(graph: dict[str, set[str]], package: str = PACKAGE) -> 
 CONFIG = f"{PACKAGE}.config"  # the schema, its parsing and its checks
 ERRORS = f"{PACKAGE}.errors"  # the ground floor
 CHOICES = f"{PACKAGE}.choices"  # the ground floor: names and facts several floors share
+# Floor 6, above the core: what serves people rather than the training loop.
+PRODUCTS = tuple(f"{PACKAGE}.{p}" for p in ("inference", "export", "demo", "pictures", "scripts"))
+# The core's own module in a product's package: the sliding window that validation runs.
+SLIDING_WINDOW = f"{PACKAGE}.inference.sliding_window"
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +152,18 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_walker_sees_the_package(graph):
     """A sanity check: the graph holds the modules and edges we know to be there."""
-    assert {"torchtitan.trainer", "torchtitan.cellmap.labels", "torchtitan.tools.scoring"} <= set(graph)
-    assert "torchtitan.scoring.stores" in graph["torchtitan.tools.scoring"]
+    assert {"torchtitan.trainer", "torchtitan.cellmap.labels", "torchtitan.evaluation"} <= set(graph)
+    assert "torchtitan.scoring.stores" in graph["torchtitan.evaluation"]
+    assert SLIDING_WINDOW in graph["torchtitan.tasks.segmentation"]
     assert "torchtitan.scoring.metrics" in graph["torchtitan.scoring.stores"]
     assert "torchtitan.models.vit" in graph["torchtitan.models.mae"]  # a relative import
 
 
-def test_the_core_imports_no_tool(graph):
-    """Floor 6 (tools: demo data, pictures, scoring, prediction I/O) sits above the core;
-    where the core needs a tool's work, the entry script hands it in."""
-    assert core_importing_tools(graph) == {}
+def test_the_core_imports_no_product(graph):
+    """Floor 6 (predict.py's pipeline, export, demo data, pictures, the helpers' shared parts)
+    sits above the core; where the core needs a product's work, the entry script hands it
+    in."""
+    assert core_importing_products(graph, PRODUCTS, (SLIDING_WINDOW,)) == {}
 
 
 def test_errors_import_nothing_of_ours(graph):
@@ -196,10 +208,10 @@ FLOORS = {
     f"{PACKAGE}.checkpoint": 4,  # saving, reading, launch history, run lock, preemption
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.logging_metrics": 4,
-    f"{PACKAGE}.inference": 4,
+    SLIDING_WINDOW: 4,  # before its package: the first prefix that holds a module decides
     f"{PACKAGE}.trainer": 5,
     f"{PACKAGE}.tasks": 5,
-    f"{PACKAGE}.tools": 6,
+    **{product: 6 for product in PRODUCTS},
 }
 
 
@@ -310,8 +322,8 @@ CLEAN = {
     "torchtitan/tasks/__init__.py": "",
     "torchtitan/tasks/seg.py": "from .. import evaluation\nfrom . import base\n",
     "torchtitan/tasks/base.py": "",
-    "torchtitan/tools/__init__.py": "",
-    "torchtitan/tools/pictures.py": "from torchtitan.tasks import seg\nimport numpy\n",
+    "torchtitan/pictures/__init__.py": "",
+    "torchtitan/pictures/drawing.py": "from torchtitan.tasks import seg\nimport numpy\n",
 }
 
 
@@ -321,9 +333,9 @@ def test_walker_resolves_absolute_relative_and_from_package_imports(tmp_path):
     assert g["torchtitan.cellmap"] == {"torchtitan.cellmap.labels"}
     assert g["torchtitan.tasks.seg"] == {"torchtitan", "torchtitan.evaluation", "torchtitan.tasks",
                                          "torchtitan.tasks.base"}
-    assert g["torchtitan.tools.pictures"] == {"torchtitan.tasks", "torchtitan.tasks.seg"}
+    assert g["torchtitan.pictures.drawing"] == {"torchtitan.tasks", "torchtitan.tasks.seg"}
     assert g["torchtitan.config.manager"] == {"torchtitan.config.parsing"}
-    assert core_importing_tools(g) == {}
+    assert core_importing_products(g, PRODUCTS) == {}
     assert violations(g, ERRORS, ()) == {}
     assert violations(g, "torchtitan.cellmap", (ERRORS,)) == {}
     assert violations(g, CONFIG, (ERRORS,)) == {}
@@ -339,14 +351,14 @@ def test_upward_imports_are_found(tmp_path):
 
 
 @pytest.mark.parametrize("path, source, rule", [
-    # The core importing a tool, in every spelling: absolute, from the package, relative,
+    # The core importing a product, in every spelling: absolute, from the package, relative,
     # lazily inside a function.
-    ("torchtitan/tasks/seg.py", "from torchtitan.tools.pictures import draw\n", "tools"),
-    ("torchtitan/tasks/seg.py", "import torchtitan.tools.pictures\n", "tools"),
-    ("torchtitan/tasks/seg.py", "from torchtitan.tools import pictures\n", "tools"),
-    ("torchtitan/tasks/seg.py", "from ..tools import pictures\n", "tools"),
-    ("torchtitan/evaluation.py", "from .tools.pictures import draw\n", "tools"),
-    ("torchtitan/evaluation.py", "def f():\n    from torchtitan import tools\n", "tools"),
+    ("torchtitan/tasks/seg.py", "from torchtitan.pictures.drawing import draw\n", "products"),
+    ("torchtitan/tasks/seg.py", "import torchtitan.pictures.drawing\n", "products"),
+    ("torchtitan/tasks/seg.py", "from torchtitan.pictures import drawing\n", "products"),
+    ("torchtitan/tasks/seg.py", "from ..pictures import drawing\n", "products"),
+    ("torchtitan/evaluation.py", "from .pictures.drawing import draw\n", "products"),
+    ("torchtitan/evaluation.py", "def f():\n    from torchtitan import pictures\n", "products"),
     # The domain asking a floor above it.
     ("torchtitan/cellmap/labels.py", "from torchtitan.evaluation import x\n", "cellmap"),
     ("torchtitan/cellmap/labels.py", "from .. import evaluation\n", "cellmap"),
@@ -364,7 +376,7 @@ def test_each_rule_fails_on_a_forbidden_import(tmp_path, path, source, rule):
     _write(tmp_path, {**CLEAN, path: source})
     g = import_graph(tmp_path)
     found = {
-        "tools": core_importing_tools(g),
+        "products": core_importing_products(g, PRODUCTS),
         "errors": violations(g, ERRORS, ()),
         "cellmap": violations(g, "torchtitan.cellmap", (ERRORS,)),
         "config": violations(g, CONFIG, (ERRORS,)),

@@ -16,7 +16,7 @@ import torch
 from conftest import REPO, _env, launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
-from torchtitan.inference import (
+from torchtitan.inference.sliding_window import (
     blending_norm,
     blending_profile,
     blending_weights,
@@ -216,10 +216,10 @@ def test_zyx_needs_an_isotropic_grid_and_is_ignored_by_3d_models(caplog):
         predict_volume(lambda x: x, volume, (16, 16), 1, planes="zyx", voxel_size=(16, 8, 8))
     with pytest.raises(ValueError, match="planes"):
         predict_volume(lambda x: x, volume, (16, 16), 1, planes="xy")
-    from torchtitan import inference
+    from torchtitan.inference import sliding_window as inference
 
     inference._warned.discard("3d")
-    with caplog.at_level(logging.WARNING, logger="torchtitan.inference"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="torchtitan.inference.sliding_window"), torch.no_grad():
         a = predict_volume(conv, volume, (8, 8, 8), 1, planes="zyx")
     assert "ignored" in caplog.text
     with torch.no_grad():
@@ -259,7 +259,7 @@ def test_blockwise_equals_whole_volume_with_tta_and_zyx():
 
 
 def test_predictor_options_follow_the_config_unless_overridden(demo_data):
-    from torchtitan.tools.predictor import inference_options
+    from torchtitan.inference.predictor import inference_options
 
     def cfg(*extra):
         return ConfigManager().parse_args([
@@ -287,7 +287,7 @@ HEADER = ("crop_name,dataset,origin_z,origin_y,origin_x,shape_z,shape_y,shape_x,
 
 
 def test_read_manifest(tmp_path):
-    from torchtitan.tools.prediction_regions import covering_grid, read_manifest
+    from torchtitan.inference.regions import covering_grid, read_manifest
 
     path = tmp_path / "m.csv"
     path.write_text(HEADER + ",class_label\n"

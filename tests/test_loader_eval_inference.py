@@ -12,7 +12,7 @@ from torchtitan.data.sampling.loader import GlobalBatchSampler, build_loader
 from torchtitan.data.sampling.samples import build_segmentation_samples
 from torchtitan.data.sources.crops import load_segmentation_data, split_crops
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
-from torchtitan.inference import WindowPlan, predict_volume, sliding_window
+from torchtitan.inference.sliding_window import WindowPlan, predict_volume, sliding_window
 
 
 def _take(sampler, n):
@@ -137,7 +137,7 @@ def test_inputs_smaller_than_the_window_are_padded():
 def test_blockwise_prediction_equals_whole_volume_prediction():
     """A volume larger than the memory budget is predicted block by block, windows on one
     global grid, so the blended result is identical to predicting it at once."""
-    from torchtitan.inference import block_shape_for_budget, predict_blockwise
+    from torchtitan.inference.sliding_window import block_shape_for_budget, predict_blockwise
 
     torch.manual_seed(0)
     conv = torch.nn.Conv3d(1, 2, kernel_size=1)

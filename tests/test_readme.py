@@ -5,7 +5,7 @@ backslash-continued lines joined) that runs one of our files is checked:
 
 * the files it names exist (entry scripts, helpers, ``train_configs/*.toml``, ...);
 * each ``--flag`` given to one of our argparse scripts (``predict.py``, ``pth_to_dcp.py``,
-  ``helpers/*.py``, ``python -m torchtitan.tools.scoring``, ...) appears in its ``--help``, and
+  ``helpers/*.py``, ``python -m torchtitan.scoring``, ...) appears in its ``--help``, and
   each flag given to ``torchrun`` in torchrun's;
 * the arguments of the training entries (``train_mae.py``, ``train_segmentation.py``, also
   through ``sbatch train_*.sh CONFIG ...``) are ``--section.key`` options of the config

@@ -13,9 +13,9 @@ import zarr
 from PIL import Image
 
 from conftest import script_module
-from torchtitan.tools.demo_data import generate_demo_data
+from torchtitan.demo.data import generate_demo_data
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.tools.drawing import (
+from torchtitan.pictures.drawing import (
     CLASS_COLORS,
     GAP,
     HATCH_GREY,
@@ -24,7 +24,7 @@ from torchtitan.tools.drawing import (
     line_height,
     overlay,
 )
-from torchtitan.tools.visualization import (
+from torchtitan.pictures.visualization import (
     comparison_frames,
     frame_slices,
     frames_to_tensorboard_image,

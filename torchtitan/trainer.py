@@ -531,7 +531,7 @@ def run(make_task, argv: list[str] | None = None) -> int:
 
     ``make_task(cfg)`` builds the task: a task class, or a factory such as
     ``functools.partial(SegmentationTask, visuals=write_validation_visuals)`` through which an
-    entry script hands the task what the core may not import (the picture writers are tools).
+    entry script hands the task what the core may not import (the picture writers are products, floor 6).
     """
     rank = _env_int("RANK", 0)
     setup_logging(rank)

@@ -8,7 +8,7 @@ each rank initialises its own shards), ``flops_per_sample(model)``, ``train_data
 ``summary(scores)``. The trainer does everything else, so a new task touches no loop code.
 Pictures are handed in: ``SegmentationTask(cfg, visuals=...)``, ``MAETask(cfg, visuals=...)``
 take a picture writer (:class:`SegmentationVisuals`, :class:`MAEVisuals`; the entry scripts
-pass the tool's) and write none without one.
+pass the product's) and write none without one.
 """
 
 from torchtitan.tasks.base import MAEVisuals, SegmentationVisuals, Task, ValidationContext

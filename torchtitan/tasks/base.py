@@ -2,7 +2,7 @@
 (:class:`ValidationContext`) instead of the trainer itself, and the picture writers a task may
 be handed (:class:`SegmentationVisuals`, :class:`MAEVisuals`).
 
-Pictures are a tool (``torchtitan/tools/visualization.py``), above the core: a task never
+Pictures are a product (``torchtitan/pictures/visualization.py``), above the core: a task never
 imports them. The entry script hands the task a writer, e.g.
 ``run(partial(SegmentationTask, visuals=write_validation_visuals))``; a task built without
 one (``visuals=None``, as in most tests) validates the same and writes no pictures."""
@@ -72,7 +72,7 @@ class Task(Protocol):
 
 class SegmentationVisuals(Protocol):
     """Writes the pictures of one validation crop (the entry script hands in
-    ``torchtitan.tools.visualization.write_validation_visuals``)."""
+    ``torchtitan.pictures.visualization.write_validation_visuals``)."""
 
     def __call__(self, out_dir: Path, name: str, step: int, em: np.ndarray, truth: np.ndarray,
                  pred: np.ndarray, classes: list[str], valid: np.ndarray | None = None,
@@ -83,7 +83,7 @@ class SegmentationVisuals(Protocol):
 
 class MAEVisuals(Protocol):
     """Writes the picture of a few held-out MAE samples (the entry script hands in
-    ``torchtitan.tools.visualization.write_mae_visuals``)."""
+    ``torchtitan.pictures.visualization.write_mae_visuals``)."""
 
     def __call__(self, out_dir: Path, step: int, image: torch.Tensor, masked_image: torch.Tensor,
                  reconstruction: torch.Tensor, writer: Any = None) -> Any:

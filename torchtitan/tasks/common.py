@@ -16,7 +16,7 @@ def check_backbone(cfg) -> None:
 
 class TaskBase:
     """What every task holds: the run's config and the picture writer it was built with
-    (handed in by the entry script, a tool the core does not import; None: no pictures)."""
+    (handed in by the entry script, a product the core does not import; None: no pictures)."""
 
     def __init__(self, cfg, visuals=None):
         self.cfg = cfg

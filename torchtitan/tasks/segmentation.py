@@ -15,7 +15,7 @@ from torchtitan.data.batch import Batch, CropVolume
 from torchtitan.data.sampling.samples import READ_ERRORS
 from torchtitan.data.sources.volume_source import VolumeSource, build_source
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
-from torchtitan.inference import VolumePredictor
+from torchtitan.inference.sliding_window import VolumePredictor
 from torchtitan.models import (
     SegmentationModel,
     build_backbone,

@@ -5,8 +5,8 @@ A *scene* is a set of objects in world coordinates (nanometres, axis order z, y,
 :func:`render_atoms` rasterises it into an *atomic* label field on any voxel grid: every
 voxel centre gets exactly one atom (cytosol, plasma membrane, mitochondrial matrix, ...), and
 each class is a union of atoms (``CLASS_ATOMS``), so nested classes are consistent by
-construction. How a random scene of cells is drawn is :mod:`torchtitan.tools.demo_cells`;
-how the set is written, :mod:`torchtitan.tools.demo_data`.
+construction. How a random scene of cells is drawn is :mod:`torchtitan.demo.cells`;
+how the set is written, :mod:`torchtitan.demo.data`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Models that left the project: reading an exported model back, for ``predict.py --model``.
 
-``helpers/export_model.py`` (:mod:`torchtitan.tools.export`) writes two kinds of folder:
+``helpers/export_model.py`` (:mod:`torchtitan.export.writer`) writes two kinds of folder:
 
 * a **bioimage.io package** (a folder with ``rdf.yaml``, or its ``.zip``): the network as
   TorchScript (``weights_torchscript.pt``), ONNX (``weights.onnx``) and a PyTorch state dict
@@ -11,7 +11,7 @@ Both hold the network in the same form: the segmentation model's logits, one cha
 (for ``model.loss = "ce"`` a constant zero background logit comes first, as the loss reads it:
 see :func:`add_background_channel`). :func:`exported_predict_module` turns any of their weight
 files back into a module whose output is the checkpoint model's logits, so the sliding-window
-predictor (:class:`torchtitan.inference.VolumePredictor`) runs it unchanged, with the run's
+predictor (:class:`torchtitan.inference.sliding_window.VolumePredictor`) runs it unchanged, with the run's
 window, overlap, blending and thresholds from the exported ``config.toml``.
 
 The state dict and safetensors weights load into the architecture rebuilt from the config

@@ -22,10 +22,10 @@ How it is made
 4. The EM is a grey level per atom plus texture, blurred by a PSF-like Gaussian, with shot
    noise, slice-to-slice brightness drift and faint milling streaks, stored as uint8.
 
-Steps 1-3 live in :mod:`torchtitan.tools.demo_scene` (atoms, classes, objects, rasterising)
-and :mod:`torchtitan.tools.demo_cells` (the random cell scene, the EM rendering); this module
+Steps 1-3 live in :mod:`torchtitan.demo.scene` (atoms, classes, objects, rasterising)
+and :mod:`torchtitan.demo.cells` (the random cell scene, the EM rendering); this module
 holds the set itself, its pyramids, the writer, a summary and a preview picture. It is a
-tool: the core (training, data loading, evaluation) never imports it.
+product: the core (training, data loading, evaluation) never imports it.
 
 Layout written under ``root`` (zarr format 2, OME-NGFF 0.4 ``multiscales`` attributes):
 
@@ -69,8 +69,8 @@ from torchtitan.cellmap.ome_ngff import read_multiscales, write_multiscale_array
 from torchtitan.data.sources.cellmap import EM_GROUP as EM_PATH
 from torchtitan.data.sources.cellmap import GT_GROUP as GROUNDTRUTH_PATH
 from torchtitan.errors import UserError
-from torchtitan.tools.demo_cells import make_scene, render_em
-from torchtitan.tools.demo_scene import DEMO_CLASSES, NUM_ATOMS, Scene, atoms_to_class, render_atoms
+from torchtitan.demo.cells import make_scene, render_em
+from torchtitan.demo.scene import DEMO_CLASSES, NUM_ATOMS, Scene, atoms_to_class, render_atoms
 
 COMPLETE_MARKER = ".demo_complete"
 

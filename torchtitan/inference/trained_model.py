@@ -1,8 +1,8 @@
 """A trained run made ready to leave the project: its network, a test window of its
 training data, its validation scores, its weights in each format and its model card.
 
-The pieces :mod:`torchtitan.tools.export` (the hub folder, the command) and
-:mod:`torchtitan.tools.bioimageio_package` (the bioimage.io package) put together.
+The pieces :mod:`torchtitan.export.writer` (the hub folder, the command) and
+:mod:`torchtitan.export.bioimageio` (the bioimage.io package) put together.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torchtitan.data.sources.cellmap import discover, em_to_uint8_scale, read_li
 from torchtitan.data.sampling.samples import crop_grid, grid_shape, normalize_em
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
-from torchtitan.tools import exported
-from torchtitan.tools.exported import ExportError
+from torchtitan.export import network as exported
+from torchtitan.export.network import ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def check_out(out: Path) -> None:
 
 def load_trained(checkpoint: str, config: str | None) -> tuple[object, torch.nn.Module, Path]:
     """(run config, network with the checkpoint's weights, the weights' path)."""
-    from torchtitan.tools.predictor import load_run_config, load_weights
+    from torchtitan.inference.predictor import load_run_config, load_weights
 
     path = Path(checkpoint)
     if not path.exists():

@@ -10,7 +10,7 @@ from pathlib import Path
 from torchtitan.cellmap.classes import check_class_names
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import UserError
-from torchtitan.tools.visualization import save_gif
+from torchtitan.pictures.visualization import save_gif
 
 
 def script_parser(doc: str) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ panels), on plain arrays (numpy, or torch tensors, which are converted):
   (``mae_rows``: one such row per sample of a batch).
 * ``save_gif``, ``frames_to_tensorboard_image``: output.
 * ``write_validation_visuals`` and ``write_mae_visuals``: the picture writers that the entry
-  scripts hand to the segmentation and MAE tasks (a tool: the tasks never import it).
+  scripts hand to the segmentation and MAE tasks (a product: the tasks never import it).
 
 Axis order is (z, y, x) as everywhere in the project; masks are (K, D, H, W) with one channel
 per class, in the order of ``classes``.
@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
-from torchtitan.tools.drawing import (
+from torchtitan.pictures.drawing import (
     BACKGROUND,
     GAP,
     HATCH_GREY,

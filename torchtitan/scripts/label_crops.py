@@ -26,7 +26,7 @@ from torchtitan.data.sampling.samples import crop_grid
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.sampling.targets import annotates, read_target
 from torchtitan.scoring.stores import prediction_level
-from torchtitan.tools.drawing import CLASS_COLORS
+from torchtitan.pictures.drawing import CLASS_COLORS
 
 
 def load_sources(stores: StoreContext, path) -> list[EMSource]:

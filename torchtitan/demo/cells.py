@@ -2,7 +2,7 @@
 
 :func:`make_scene` draws the cells (a warped, weighted Voronoi partition with thin
 extracellular gaps) and furnishes each with a nucleus, mitochondria, ER tubes and sheets,
-vesicles and sometimes a lipid droplet (objects of :mod:`torchtitan.tools.demo_scene`).
+vesicles and sometimes a lipid droplet (objects of :mod:`torchtitan.demo.scene`).
 :func:`render_em` turns an atomic label field into a uint8 FIB-SEM-like image: a grey level per
 atom plus texture, blurred by a PSF-like Gaussian, with shot noise, slice-to-slice brightness
 drift and faint milling streaks.
@@ -15,7 +15,7 @@ import math
 import numpy as np
 import scipy.ndimage as ndi
 
-from torchtitan.tools.demo_scene import (
+from torchtitan.demo.scene import (
     CELL_JITTER,
     CELL_SPACING,
     CELL_WEIGHT,

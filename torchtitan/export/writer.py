@@ -5,13 +5,13 @@ folder for its latest step, or a full-model ``.pth`` with ``--config``) and the 
 trained it become, in ``--out``:
 
 * ``bioimageio/`` and ``bioimageio.zip``: a bioimage.io model package (spec 0.5, written and
-  checked with ``bioimageio.spec``; :mod:`torchtitan.tools.bioimageio_package`), with the
+  checked with ``bioimageio.spec``; :mod:`torchtitan.export.bioimageio`), with the
   network as TorchScript, ONNX and a PyTorch state dict;
 * ``hub/``: a folder to share on a model hub: a model card (``README.md``), the weights as
   ``model.safetensors`` and the resolved config (``config.toml``).
 
 The network is the segmentation model in float32 with SDPA attention: its output is one logit
-per class (:mod:`torchtitan.tools.exported`), and a sigmoid per class gives the probabilities
+per class (:mod:`torchtitan.export.network`), and a sigmoid per class gives the probabilities
 (the package's postprocessing; "ce" runs: a softmax after a zero background logit). Its input is
 one window of the training crop size (``model.crop_size``), the tile of blockwise prediction;
 the batch size is free. The EM reaches it as training reads it: on the uint8 scale (through the
@@ -32,10 +32,10 @@ from pathlib import Path
 
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.cellmap.affinities import config_outputs
-from torchtitan.tools import exported
-from torchtitan.tools.bioimageio_package import write_package
-from torchtitan.tools.exported import ExportError
-from torchtitan.tools.trained_model import (
+from torchtitan.export import network as exported
+from torchtitan.export.bioimageio import write_package
+from torchtitan.export.network import ExportError
+from torchtitan.inference.trained_model import (
     DEFAULT_OPSET,
     Card,
     TrainedModel,
