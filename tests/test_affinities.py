@@ -264,6 +264,33 @@ def test_long_range_edges_keep_objects_apart_where_the_boundary_is_not_seen():
     assert same_partition(mutex_watershed(aff, LONG), ids)
 
 
+def test_long_stride_thins_the_repulsions_on_the_volume_grid():
+    """``long_stride``: long-range edges only from voxels on the volume's grid of that step.
+    Two objects along a row of voxels, whose contact looks like no boundary to the face
+    neighbours, kept apart by one sure long-range repulsion from x = 4 (to x = 7): at stride 2 the row is on the
+    grid (two objects), and a box of the volume starting one voxel later along x takes the
+    same edges when given its ``origin`` (not without); at stride 3 the edge is off the grid
+    and the objects join."""
+    ids = np.ones((1, 1, 12), np.int64)  # one row: every voxel on the grid along z and y
+    ids[:, :, 6:] = 2
+    long_x = ((0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 3))
+    aff = predicted(ids, long_x)
+    aff[0, :, :, 5] = 0.9  # the face neighbours see no boundary
+    aff[3] = np.where(aff[3] < 0.5, 0.5, aff[3])  # long range: unsure everywhere ...
+    aff[3, :, :, 4] = 0.0  # ... but the row from x = 4, sure that x = 4 and x = 7 differ
+
+    def objects(*args, **kwargs):
+        return len(np.unique(mutex_watershed(*args, **kwargs)))
+
+    assert objects(aff, long_x, 0.5, 0.6) == 2
+    assert objects(aff, long_x, 0.5, 0.6, long_stride=2) == 2
+    assert objects(aff[..., 1:], long_x, 0.5, 0.6, long_stride=2, origin=(0, 0, 1)) == 2
+    assert objects(aff[..., 1:], long_x, 0.5, 0.6, long_stride=2) == 1
+    assert objects(aff, long_x, 0.5, 0.6, long_stride=3) == 1
+    with pytest.raises(Exception, match="mutex_long_stride = 0"):
+        PostProcessing(mutex_long_stride=0)
+
+
 def test_agglomeration_threshold_decides_a_weak_boundary():
     ids = np.ones((6, 8, 10), np.int64)
     ids[:, :, 5:] = 2

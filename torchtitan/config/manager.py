@@ -570,6 +570,11 @@ class Inference:
     mutex_threshold_long: float = opt(
         0.5, "affinity_cut = 'mutex' or 'mutex_graph': the same for long-range edges (higher: more splits).",
         check=FRACTION)
+    mutex_long_stride: int = opt(
+        1, "affinity_cut = 'mutex': a long-range edge is taken at every this-many-th voxel "
+        "along each axis of the volume (the rest left out), so that the repulsions, which "
+        "outnumber and out-split the joins, are thinned (Wolf et al. 2018 sub-sample theirs); "
+        "1 = every voxel.", min=1)
     agglomerate_threshold: float = opt(
         0.5, "affinity_cut = 'agglomerate': regions merge while the mean affinity along their "
         "contact is above this (lower: fewer, larger objects).", check=FRACTION)

@@ -61,14 +61,29 @@ def _check(affinities: np.ndarray, offsets: Sequence[Sequence[int]]) -> np.ndarr
 
 
 def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
-                    threshold_long: float = 0.5) -> np.ndarray:
-    """Object ids (uint64, 1..) of the mutex watershed of ``affinities`` (C, *spatial)
-    probabilities along ``offsets`` (module docstring)."""
+                    threshold_long: float = 0.5, long_stride: int = 1,
+                    origin: Sequence[int] | None = None) -> np.ndarray:
+    """Object ids (uint64, 1..; 0 for a voxel left alone) of the mutex watershed of
+    ``affinities`` (C, *spatial) probabilities along ``offsets`` (module docstring).
+    ``long_stride``: long-range edges only from the voxels whose index in the volume (the
+    box's ``origin`` added) is a multiple of it along every axis, so that a block of a larger
+    volume takes the same edges as the whole."""
     import mwatershed
 
     affinities = _check(affinities, offsets)
     bias = np.array([threshold_nearest if is_nearest(o) else threshold_long for o in offsets])
     weights = affinities.astype(np.float64) - bias.reshape(-1, *([1] * (affinities.ndim - 1)))
+    if long_stride > 1:
+        # An edge of weight 0 is taken last and joins nothing (mwatershed joins on > 0), so
+        # zeroed edges are left out.
+        origin = (0,) * (affinities.ndim - 1) if origin is None else tuple(origin)
+        grid = np.ones(affinities.shape[1:], bool)
+        for axis, (start, n) in enumerate(zip(origin, affinities.shape[1:])):
+            on = (np.arange(start, start + n) % long_stride) == 0
+            grid &= on.reshape([-1 if a == axis else 1 for a in range(len(origin))])
+        for c, o in enumerate(offsets):
+            if not is_nearest(o):
+                weights[c][~grid] = 0.0
     return mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
 
 
@@ -173,7 +188,8 @@ def absorb_small(ids: np.ndarray, min_voxels: int) -> np.ndarray:
 
 def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=None,
                        min_object_nm3: float = 0.0, threshold_nearest: float = 0.5,
-                       threshold_long: float = 0.5, agglomerate_threshold: float = 0.5,
+                       threshold_long: float = 0.5, long_stride: int = 1,
+                       agglomerate_threshold: float = 0.5,
                        fragments=None) -> tuple[np.ndarray, int]:
     """Instance ids (int32, 1..n) and their count cut from predicted ``affinities`` (C,
     *spatial) along ``offsets`` by ``method`` (:data:`AFFINITY_CUTS`); 0 outside ``inside``
@@ -181,7 +197,8 @@ def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=N
     (default: :func:`basins`)."""
     min_voxels = int(np.ceil(min_object_nm3 / float(np.prod(np.asarray(voxel_size, float)))))
     if method == "mutex":
-        ids = mutex_watershed(affinities, offsets, threshold_nearest, threshold_long)
+        ids = mutex_watershed(affinities, offsets, threshold_nearest, threshold_long,
+                              long_stride)
         ids, _ = label_instances(ids)  # 1..n, in raster order
         ids = absorb_small(ids, min_voxels)
     elif method in AFFINITY_CUTS:

@@ -72,11 +72,12 @@ def _stitched(pp: PostProcessing) -> bool:
     return pp.affinity_cut != "mutex"
 
 
-def _fragments(affinities: np.ndarray, offsets, pp: PostProcessing) -> np.ndarray:
-    """Step 1 on one box: the over-segmentation the method agglomerates (0 = none)."""
+def _fragments(affinities: np.ndarray, offsets, pp: PostProcessing, origin) -> np.ndarray:
+    """Step 1 on one box (its first voxel at ``origin`` of the volume): the over-segmentation
+    the method agglomerates (0 = none)."""
     if pp.affinity_cut == "mutex":
         return mutex_watershed(affinities, offsets, pp.mutex_threshold_nearest,
-                               pp.mutex_threshold_long)
+                               pp.mutex_threshold_long, pp.mutex_long_stride, origin)
     return basins(affinities, offsets)
 
 
@@ -129,7 +130,7 @@ def _fragment_blocks(read_affinities: AffinityReader, offsets, blocks: Blocks,
         lo, hi = blocks.box(k)
         olo = tuple(max(0, l - h) for l, h in zip(lo, halo))
         ohi = tuple(min(s, e + h) for e, h, s in zip(hi, halo, shape))
-        frag = _fragments(read_affinities(olo, ohi), offsets, pp)
+        frag = _fragments(read_affinities(olo, ohi), offsets, pp, olo)
         core = frag[inner_slices((olo, ohi), (lo, hi))]
         values = np.unique(core)
         base = k * blocks.capacity

@@ -86,6 +86,7 @@ class PostProcessing:
     affinity_cut: str = "mutex"
     mutex_threshold_nearest: float = 0.5
     mutex_threshold_long: float = 0.5
+    mutex_long_stride: int = 1
     agglomerate_threshold: float = 0.5
 
     def __post_init__(self):
@@ -107,6 +108,9 @@ class PostProcessing:
         if not np.isfinite(self.boundary_seed_nm) or self.boundary_seed_nm < 0:
             raise PostProcessingError(
                 f"inference.boundary_seed_nm = {self.boundary_seed_nm}: must be >= 0 (nm)")
+        if int(self.mutex_long_stride) != self.mutex_long_stride or self.mutex_long_stride < 1:
+            raise PostProcessingError(
+                f"inference.mutex_long_stride = {self.mutex_long_stride}: must be an integer >= 1")
         if self.affinity_cut not in AFFINITY_CUTS + ("boundary",):
             raise PostProcessingError(
                 f"inference.affinity_cut = {self.affinity_cut!r}: must be one of "
@@ -125,6 +129,7 @@ class PostProcessing:
                    affinity_cut=inference.affinity_cut,
                    mutex_threshold_nearest=inference.mutex_threshold_nearest,
                    mutex_threshold_long=inference.mutex_threshold_long,
+                   mutex_long_stride=inference.mutex_long_stride,
                    agglomerate_threshold=inference.agglomerate_threshold)
 
     @property
@@ -144,7 +149,7 @@ class PostProcessing:
         return affinity_instances(
             affinities, offsets, self.affinity_cut, voxel_size, inside=inside,
             min_object_nm3=self.min_object_nm3, threshold_nearest=self.mutex_threshold_nearest,
-            threshold_long=self.mutex_threshold_long,
+            threshold_long=self.mutex_threshold_long, long_stride=self.mutex_long_stride,
             agglomerate_threshold=self.agglomerate_threshold)
 
     def membrane(self, name: str, classes) -> str | None:
