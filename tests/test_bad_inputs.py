@@ -711,7 +711,7 @@ def test_read_only_output_folders_are_named(call_ctx, tmp_path, capsys):
                         + ["--crops", "crop1", "--out", str(locked / "p.zarr")])
         assert rc == 2
         assert f"--out {locked / 'p.zarr'}: {locked} is not writable" in capsys.readouterr().err
-        from torchtitan.checkpoint.run_lock import DumpFolderLock
+        from torchtitan.run.lock import DumpFolderLock
 
         with pytest.raises(UserError, match=f"job.dump_folder {locked / 'run'} cannot be written"):
             DumpFolderLock(locked / "run", 0, 5).acquire()

@@ -205,7 +205,8 @@ FLOORS = {
     f"{PACKAGE}.postprocess": 3,  # masks -> cleaned masks and instances, in memory or blockwise
     f"{PACKAGE}.scoring": 3,  # the CellMap metrics; scoring prediction stores
     f"{PACKAGE}.parallelisms": 4,
-    f"{PACKAGE}.checkpoint": 4,  # saving, reading, launch history, run lock, preemption
+    f"{PACKAGE}.checkpoint": 4,  # saving, resuming, reading step folders, .pth <-> DCP
+    f"{PACKAGE}.run": 4,  # the run's life: its lock, launch history, preemption
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.logging_metrics": 4,
     SLIDING_WINDOW: 4,  # before its package: the first prefix that holds a module decides

@@ -58,7 +58,7 @@ def test_upconv_channel_schedule():
 def test_head_min_channels_sets_the_full_resolution_width():
     """``model.head_min_channels`` from the config to the head: the decoder halves down to
     it, the image skip and encoder start at it, and it shapes the checkpoint's model."""
-    from torchtitan.checkpoint.launch_history import MODEL_SHAPING_KEYS
+    from torchtitan.run.launch_history import MODEL_SHAPING_KEYS
 
     cfg = JobConfig()
     cfg.data.classes = ["mito", "er"]

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.distributed
 SEG2D = "train_configs/debug_segmentation_2d.toml"
 MAE2D = "train_configs/debug_mae_2d.toml"
 STEPS = 8
-REQUEUE_EXIT_CODE = 3  # torchtitan.checkpoint.preemption.REQUEUE_EXIT_CODE
+REQUEUE_EXIT_CODE = 3  # torchtitan.run.preemption.REQUEUE_EXIT_CODE
 
 
 def _seg_args(data, dump, *extra):

@@ -1,4 +1,4 @@
-"""The dump-folder lock (torchtitan/checkpoint/run_lock.py): real lock files, and real
+"""The dump-folder lock (torchtitan/run/lock.py): real lock files, and real
 processes as their holders, alive or gone. The end-to-end cases (a second training into a live run's folder,
 restarts after SIGKILL and requeues) are in test_bad_inputs.py and test_reliability_loop.py."""
 
@@ -16,7 +16,7 @@ from dataclasses import asdict
 import pytest
 
 from torchtitan.errors import ConfigError
-from torchtitan.checkpoint.run_lock import (
+from torchtitan.run.lock import (
     LOCK_NAME,
     STALE_AFTER_S,
     DumpFolderBusy,

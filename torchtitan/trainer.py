@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torchtitan.checkpoint.launch_history import check_resume_compatible, save_launch_config
+from torchtitan.run.launch_history import check_resume_compatible, save_launch_config
 from torchtitan.checkpoint.manager import CheckpointManager, ResumePlan, plan_resume, read_best
 from torchtitan.checkpoint.reading import complete_steps, step_folder
 from torchtitan.checkpoint.train_state import TrainState
@@ -51,7 +51,7 @@ from torchtitan.parallelisms.parallelize import (
 )
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.parallelisms.seeded_init import init_model
-from torchtitan.checkpoint.preemption import (
+from torchtitan.run.preemption import (
     NONFINITE_EXIT_CODE,
     REQUEUE_EXIT_CODE,
     NonFiniteError,
@@ -60,7 +60,7 @@ from torchtitan.checkpoint.preemption import (
     requeue_marker,
     restarted_after_requeue,
 )
-from torchtitan.checkpoint.run_lock import DumpFolderLock
+from torchtitan.run.lock import DumpFolderLock
 from torchtitan.tasks.base import Task, ValidationContext
 
 logger = logging.getLogger("torchtitan")

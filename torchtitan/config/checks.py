@@ -1,7 +1,7 @@
 """Checks of a whole configuration that are ours, not a parser's: rules that relate several
 options (crop size vs. patch size, class weights vs. classes, ...), options that could not
 take effect, and startup warnings. (A run's launch history in its dump folder is
-:mod:`torchtitan.checkpoint.launch_history`.)
+:mod:`torchtitan.run.launch_history`.)
 
 Floor 1: imports only the standard library, the other config modules and the ground floor.
 ``config`` below is a ``manager.JobConfig``; this module does not import ``manager``, which

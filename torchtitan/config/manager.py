@@ -143,7 +143,7 @@ class Training:
     preemption_signals: list[str] = opt(
         ["SIGTERM", "SIGUSR1"],
         "Signals that make the run save a checkpoint at the next step boundary and exit with "
-        "the requeue code 3 (torchtitan.checkpoint.preemption.REQUEUE_EXIT_CODE); [] keeps the default "
+        "the requeue code 3 (torchtitan.run.preemption.REQUEUE_EXIT_CODE); [] keeps the default "
         "actions. Under torchrun add SIGUSR1 to --signals_to_handle (helpers/slurm_launch.sh).",
         check=_entries_in("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"),
     )

@@ -25,7 +25,7 @@ Stale locks. A lock whose holder is gone is taken over with a warning, so that a
   on any host: a SLURM requeue on another node keeps its job id.
 
 A run that ends (finished, requeue exit, user error, non-finite stop) removes its lock; only a
-killed one leaves it behind. Floor 5, beside :mod:`torchtitan.checkpoint.preemption`; standard library
+killed one leaves it behind. Floor 4, beside :mod:`torchtitan.run.preemption`; standard library
 only.
 """
 
