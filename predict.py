@@ -42,7 +42,8 @@ torchtitan/inference/predictor.py.
 import argparse
 import sys
 
-from torchtitan.config.manager import POSITIVE, flag_type
+from torchtitan.config.manager import flag_type
+from torchtitan.config.job_config import POSITIVE
 from torchtitan.errors import USER_ERROR_EXIT, UserError
 from torchtitan.logging_metrics import report_user_error, setup_logging
 

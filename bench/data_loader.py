@@ -178,7 +178,8 @@ def job_config(args, augment: str):
 def job_config_with(args, chosen: dict):
     """The benchmark's training config with the augmentation options ``chosen`` (every other
     option at its default; options the config does not have are skipped)."""
-    from torchtitan.config.manager import ConfigManager, JobConfig
+    from torchtitan.config.manager import ConfigManager
+from torchtitan.config.job_config import JobConfig
 
     argv = ["--data.dataset_path", str(args.data), "--data.classes", ",".join(args.classes),
             "--data.voxel_size", ",".join(str(v) for v in VOXEL_NM),

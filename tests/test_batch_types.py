@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
-from torchtitan.config.manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.data.sampling.augment import Augmenter, DeviceAugmentation
 from torchtitan.data.batch import Batch, Sample, collate
 from torchtitan.data.sampling.samples import normalize_em

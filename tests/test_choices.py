@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchtitan import choices
-from torchtitan.config.manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.data.batch import Batch
 from torchtitan.data.sampling.samples import normalize_em
 from torchtitan.models import build_backbone

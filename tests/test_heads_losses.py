@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from torchtitan.config.manager import JobConfig
+from torchtitan.config.job_config import JobConfig
 from torchtitan.data.batch import Batch
 from torchtitan.models import SegmentationModel, build_backbone, build_loss, predict_probabilities
 from torchtitan.models.losses import LOSSES, masked_bce_loss, soft_dice_loss

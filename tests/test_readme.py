@@ -378,7 +378,7 @@ def _config_keys() -> dict[str, type]:
     """'section.key' -> type for every field of JobConfig (walks the dataclasses)."""
     import typing
 
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     keys = {}
     sections = typing.get_type_hints(JobConfig)

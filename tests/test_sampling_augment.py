@@ -15,7 +15,7 @@ import scipy.ndimage as ndi
 import torch
 import zarr
 
-from torchtitan.config.manager import Augmentation
+from torchtitan.config.job_config import Augmentation
 from torchtitan.data.sources.cellmap import DatasetError, discover
 from torchtitan.cellmap.classes import (
     CLASS_PARTS,

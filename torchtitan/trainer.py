@@ -32,7 +32,8 @@ from torchtitan.run.launch_history import check_resume_compatible, save_launch_c
 from torchtitan.checkpoint.manager import CheckpointManager, ResumePlan, plan_resume, read_best
 from torchtitan.checkpoint.reading import complete_steps, step_folder
 from torchtitan.checkpoint.train_state import TrainState
-from torchtitan.config.manager import ConfigManager, JobConfig
+from torchtitan.config.manager import ConfigManager
+from torchtitan.config.job_config import JobConfig
 from torchtitan.data.sampling.augment import Augmenter
 from torchtitan.data.batch import Batch
 from torchtitan.data.sampling.loader import build_loader

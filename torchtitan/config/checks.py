@@ -4,7 +4,7 @@ take effect, and startup warnings. (A run's launch history in its dump folder is
 :mod:`torchtitan.run.launch_history`.)
 
 Floor 1: imports only the standard library, the other config modules and the ground floor.
-``config`` below is a ``manager.JobConfig``; this module does not import ``manager``, which
+``config`` below is a ``job_config.JobConfig``; this module does not import ``manager``, which
 imports it.
 """
 

@@ -158,7 +158,7 @@ def build_network(model: dict, classes: list[str], affinities: dict | None = Non
     ``affinities``, a dict of the run's ``[affinities]`` section), with SDPA attention, in eval
     mode on the CPU; with the background channel for the "ce" loss. The architecture of the
     bioimage.io package's state dict, and what the hub folder's weights load into."""
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
     from torchtitan.models import use_attention
     from torchtitan.tasks import SegmentationTask
 

@@ -18,7 +18,7 @@ from torchtitan.config.parsing import config_to_dict, format_value, read_toml, s
 from torchtitan.errors import ConfigError
 
 if TYPE_CHECKING:
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
 # Keys that decide the model's parameters (their names and shapes) or what its output channels
 # mean: a run's checkpoints only fit a model built with the same values. Per task; others

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from torchtitan.choices import same_size
-from torchtitan.config.manager import Augmentation
+from torchtitan.config.job_config import Augmentation
 from torchtitan.data.sampling.resampling import resample
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchtitan.choices import EM_SCALE, VOXEL_RTOL
-from torchtitan.config.manager import Augmentation
+from torchtitan.config.job_config import Augmentation
 from torchtitan.data.sampling.augment import nearest_from_geometry
 from torchtitan.data.batch import Sample
 from torchtitan.data.sources.cellmap import DatasetError, EMSource, LabelCrop

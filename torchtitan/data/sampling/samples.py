@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan.choices import EM_SCALE, PLANES, same_voxel_size
-from torchtitan.config.manager import Augmentation
+from torchtitan.config.job_config import Augmentation
 from torchtitan.cellmap.affinities import AffinitySpec
 from torchtitan.data.sampling.augment import (Augmenter, DeviceAugmentation, host_axis_map,
                                              identity_axes)

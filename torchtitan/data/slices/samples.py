@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan.choices import same_voxel_size
-from torchtitan.config.manager import Augmentation
+from torchtitan.config.job_config import Augmentation
 from torchtitan.data.slices import original as slices_original
 from torchtitan.data.sampling.augment import Augmenter, apply_flips, read_shape, resample_matrix
 from torchtitan.data.batch import Sample
