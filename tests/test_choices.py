@@ -126,3 +126,44 @@ def test_no_module_renames_a_choice():
              for path in package.rglob("*.py") if path.name != "choices.py"
              for m in alias.finditer(path.read_text()) if m.group(1) != m.group(2)]
     assert not found, found
+
+
+# The grid facts and their one owner each; a second copy of the formula elsewhere in
+# torchtitan/ fails the test below (code only, as tokens joined by single spaces: docstrings
+# and comments may state the rule; the owner names its slack and tolerances).
+# Other modules that match a pattern for another fact are listed with that fact.
+GRID_FACTS = {
+    "the voxel centre, origin + (i + 0.5) * voxel size": (
+        r"\+ 0\.5 \) \*", "torchtitan/cellmap/grids.py",
+        {"torchtitan/models/resize.py": "a resize's source pixel position, not a world grid"}),
+    "a grid's shape from an extent, with float slack": (
+        r"(floor|ceil) \([^)]*/[^)]*[+-] 1e-\d", "torchtitan/cellmap/grids.py",
+        {"torchtitan/postprocess/masks.py": "a volume floor in voxels (min_object_voxels)",
+         "torchtitan/data/sampling/augment.py": "the reach of an augmentation, in voxels"}),
+    "the voxel-size tolerance": (
+        r"rtol = 1e-|\( 1 [+-] 1e-\d", "torchtitan/choices.py",
+        {"torchtitan/checkpoint/convert.py": "RoPE periods of a checkpoint, not voxel sizes"}),
+    "the position tolerance, nm": (
+        r"tol = 1e-3\b|[<>] [a-z_]+ [+-] 1e-3\b", "torchtitan/cellmap/grids.py",
+        {"torchtitan/inference/submission.py": "a thousandth of the crop's voxel, not of a nm"}),
+}
+
+
+def _code_only(path: Path) -> str:
+    """The source of ``path`` without its strings and comments."""
+    import io
+    import tokenize
+
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return " ".join(t.string for t in tokens
+                    if t.type not in (tokenize.STRING, tokenize.COMMENT, tokenize.NL))
+
+
+@pytest.mark.parametrize("fact", sorted(GRID_FACTS))
+def test_each_grid_fact_is_written_once(fact):
+    pattern, owner, others = GRID_FACTS[fact]
+    root = Path(__file__).resolve().parents[1]
+    found = {str(p.relative_to(root)) for p in sorted((root / "torchtitan").rglob("*.py"))
+             if re.search(pattern, _code_only(p))}
+    assert found - {owner} - set(others) == set(), (
+        f"{fact}: written again in {sorted(found - {owner} - set(others))}; import it from {owner}")

@@ -19,6 +19,13 @@ from torchtitan.choices import VOXEL_RTOL, same_size
 
 AXES = ("z", "y", "x")
 
+# How far a float extent (nm read from metadata and configs are not exact) may miss a whole
+# number of voxels and still count as that number.
+SHAPE_SLACK = 1e-6
+# World positions (nm) closer than this are the same place (a crop's box against its volume's,
+# an ROI against the volume).
+POSITION_TOL_NM = 1e-3
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -70,12 +77,46 @@ def label_level(levels: list[ScaleLevel], voxel_size) -> ScaleLevel:
     return levels[closest_level(levels, v)]
 
 
+def voxel_centres(origin, voxel_size, index):
+    """World positions (nm) of the centres of the voxels ``index`` (any array of voxel
+    indices, or one axis's ``np.arange``) of a grid whose voxel 0 has its outer corner at
+    ``origin``."""
+    return origin + (index + 0.5) * voxel_size
+
+
+def extent_shape(extent, voxel_size, *, cover: bool) -> tuple[int, ...]:
+    """Voxels of ``voxel_size`` along each axis of ``extent`` (nm): as many as fit in it, or
+    (``cover``) as many as cover it; at least one (:data:`SHAPE_SLACK` absorbs float noise)."""
+    if cover:
+        return tuple(int(max(1, np.ceil(e / s - SHAPE_SLACK))) for e, s in zip(extent, voxel_size))
+    return tuple(int(max(1, np.floor(e / s + SHAPE_SLACK))) for e, s in zip(extent, voxel_size))
+
+
+def centred_grid(box_min, box_max, voxel_size, *, cover: bool
+                 ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Origin (nm, outer corner of voxel 0) and shape of the grid of ``voxel_size`` that fits
+    in (or, ``cover``, covers) the box, centred on it: any remainder is split evenly between
+    both sides."""
+    v = np.asarray(voxel_size, dtype=float)
+    extent = np.asarray(box_max, dtype=float) - np.asarray(box_min, dtype=float)
+    shape = extent_shape(extent, v, cover=cover)
+    origin = np.asarray(box_min, dtype=float) + (extent - np.asarray(shape) * v) / 2
+    return origin, shape  # type: ignore[return-value]
+
+
+def box_inside(lo, hi, outer_lo, outer_hi) -> bool:
+    """Whether the box ``[lo, hi)`` lies inside ``[outer_lo, outer_hi)`` (nm, within
+    :data:`POSITION_TOL_NM`)."""
+    return not (np.any(np.asarray(lo) < np.asarray(outer_lo) - POSITION_TOL_NM)
+                or np.any(np.asarray(hi) > np.asarray(outer_hi) + POSITION_TOL_NM))
+
+
 def voxel_positions(level: Grid, origin, voxel_size, shape) -> list[np.ndarray]:
     """Per axis, the continuous voxel coordinates (in ``level``'s index space) of the centres
     of the training grid (``origin`` = outer corner of its voxel 0, nm)."""
     out = []
     for ax in range(3):
-        centres = origin[ax] + (np.arange(shape[ax]) + 0.5) * voxel_size[ax]
+        centres = voxel_centres(origin[ax], voxel_size[ax], np.arange(shape[ax]))
         out.append((centres - level.translation[ax]) / level.scale[ax])
     return out
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES, ScaleLevel
+from torchtitan.choices import VOXEL_RTOL
 
 UNIT = "nanometer"
 
@@ -181,7 +182,7 @@ def pyramid_steps(scale0, shape0, coarsest_side: int = 64, max_levels: int = 10)
     while max(shape) > coarsest_side and len(steps) + 1 < max_levels:
         active = [n > 1 for n in shape]
         coarsest = max(s for s, a in zip(scale, active) if a)
-        fine = [a and 2 * s <= coarsest * (1 + 1e-6) for s, a in zip(scale, active)]
+        fine = [a and 2 * s <= coarsest * (1 + VOXEL_RTOL) for s, a in zip(scale, active)]
         step = tuple(2 if fine[d] or (active[d] and not any(fine)) else 1 for d in range(3))
         steps.append(step)
         scale = [s * f for s, f in zip(scale, step)]

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.cellmap.challenge import ChallengeCrop, is_test_manifest, read_test_manifest
+from torchtitan.cellmap.grids import POSITION_TOL_NM, box_inside, centred_grid, extent_shape
 from torchtitan.data.sources.cellmap import DatasetError, EMSource
 from torchtitan.data.sampling.samples import crop_grid
 from torchtitan.errors import ConfigError
@@ -87,11 +88,11 @@ def regions(sources: list[EMSource], voxel_size, dataset: str | None, roi: str |
     lo, hi = source.levels[0].box_min, source.levels[0].box_max
     if roi:
         rlo, rhi = parse_roi(roi)
-        if np.any(rlo < lo - 1e-6) or np.any(rhi > hi + 1e-6):
+        if not box_inside(rlo, rhi, lo, hi):
             raise DatasetError(f"--roi {roi} leaves the volume of {dataset} "
                                f"({lo.tolist()}..{hi.tolist()} nm)")
         lo, hi = rlo, rhi
-    shape = tuple(int(max(1, np.floor((b - a) / s + 1e-6))) for a, b, s in zip(lo, hi, v))
+    shape = extent_shape(np.asarray(hi) - np.asarray(lo), v, cover=False)
     return [Region(dataset, source, lo, shape, v)]  # type: ignore[arg-type]
 
 
@@ -141,8 +142,8 @@ def read_manifest(path: str) -> list[ManifestCrop]:
             seen = crops.get(crop.name)
             if seen is None:
                 crops[crop.name] = crop
-            elif (seen.dataset != crop.dataset or not np.allclose(seen.box_min, crop.box_min, atol=1e-3)
-                  or not np.allclose(seen.box_max, crop.box_max, atol=1e-3)):
+            elif (seen.dataset != crop.dataset or not np.allclose(seen.box_min, crop.box_min, atol=POSITION_TOL_NM)
+                  or not np.allclose(seen.box_max, crop.box_max, atol=POSITION_TOL_NM)):
                 raise ConfigError(f"--manifest {path}, line {line}: {crop.name} appears again "
                                   "with another dataset or box")
     if not crops:
@@ -165,11 +166,7 @@ def test_manifest_crops(path: str) -> dict[str, ChallengeCrop] | None:
 def covering_grid(box_min, box_max, voxel_size) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Origin (nm, outer corner of voxel 0) and shape of the smallest grid of ``voxel_size``
     that covers the box, centred on it."""
-    v = np.asarray(voxel_size, dtype=float)
-    extent = np.asarray(box_max, dtype=float) - np.asarray(box_min, dtype=float)
-    shape = tuple(int(max(1, np.ceil(e / s - 1e-6))) for e, s in zip(extent, v))
-    origin = np.asarray(box_min, dtype=float) + (extent - np.asarray(shape) * v) / 2
-    return origin, shape  # type: ignore[return-value]
+    return centred_grid(box_min, box_max, voxel_size, cover=True)
 
 
 def manifest_regions(sources: list[EMSource], voxel_size, path: str) -> list[Region]:

@@ -43,6 +43,7 @@ from torchtitan.cellmap.challenge import (
 )
 from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES
 from torchtitan.cellmap.errors import DatasetError
+from torchtitan.choices import same_voxel_size
 from torchtitan.cellmap.grids import Grid
 from torchtitan.cellmap.ome_ngff import VIEW_CHUNKS, read_attrs, read_multiscales
 from torchtitan.data.sources.cellmap import discover
@@ -202,7 +203,7 @@ def check_submission(path, crops: dict[str, ChallengeCrop]) -> list[Problem]:
                 problems.append(Problem("error", where, geometry))
                 continue
             scale, translation, shape, dtype = geometry
-            if len(scale) != 3 or not np.allclose(scale, grid.scale, rtol=1e-4, atol=1e-6):
+            if len(scale) != 3 or not same_voxel_size(scale, grid.scale):
                 problems.append(Problem("error", where, f"wrong scale: voxel_size {list(scale)} nm, "
                                                         f"the test crop's is {list(grid.scale)}"))
             elif len(translation) != 3 or not np.allclose(

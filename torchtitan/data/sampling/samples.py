@@ -35,7 +35,6 @@ A sample whose read fails on a corrupt chunk is replaced by one drawn from the g
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -59,7 +58,8 @@ from torchtitan.data.sources.cellmap import (
     read_linear,
 )
 from torchtitan.cellmap.classes import check_class_names
-from torchtitan.cellmap.grids import ScaleLevel, closest_level, grid_origin_snapped
+from torchtitan.cellmap.grids import (ScaleLevel, centred_grid, closest_level, extent_shape,
+                                      grid_origin_snapped, voxel_centres)
 from torchtitan.data.sampling.targets import (
     annotates,
     compose_affinities,
@@ -455,8 +455,7 @@ class SegmentationSamples(SampleDataset):
             return points
         crop = self.crops[crop_index]
         step = self.voxel_size * FG_COARSENING
-        shape = tuple(int(max(1, math.ceil(e / s - 1e-6)))
-                      for e, s in zip(crop.box_max - crop.box_min, step))
+        shape = extent_shape(crop.box_max - crop.box_min, step, cover=True)
         try:
             target, valid = read_target(crop, self.classes[k], crop.box_min, step, shape)
             idx = np.argwhere(target & valid)
@@ -467,7 +466,7 @@ class SegmentationSamples(SampleDataset):
             idx = np.zeros((0, 3), np.int64)
         if len(idx) > FG_POINTS:  # evenly spread, deterministic
             idx = idx[np.linspace(0, len(idx) - 1, FG_POINTS).astype(np.int64)]
-        points = (crop.box_min + (idx + 0.5) * step).astype(np.float32)
+        points = voxel_centres(crop.box_min, step, idx).astype(np.float32)
         self._fg_cache[key] = points
         if len(self._fg_cache) > FG_CACHE:
             self._fg_cache.popitem(last=False)
@@ -544,12 +543,7 @@ def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
 
 def crop_grid(crop: LabelCrop, voxel_size) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Origin (nm) and shape of the training grid that covers a whole label crop."""
-    v = np.asarray(voxel_size, dtype=float)
-    extent = crop.box_max - crop.box_min
-    shape = tuple(int(max(1, np.floor(e / s + 1e-6))) for e, s in zip(extent, v))
-    # Centre the grid on the crop so any remainder is split evenly between both sides.
-    origin = crop.box_min + (extent - np.asarray(shape) * v) / 2
-    return origin, shape  # type: ignore[return-value]
+    return centred_grid(crop.box_min, crop.box_max, voxel_size, cover=False)
 
 
 def build_segmentation_samples(cfg, sources, train_crops) -> SegmentationSamples:

@@ -25,7 +25,7 @@ import numpy as np
 
 from torchtitan.cellmap.affinities import AffinitySpec, affinities
 from torchtitan.cellmap.classes import atoms
-from torchtitan.cellmap.grids import label_level
+from torchtitan.cellmap.grids import label_level, voxel_centres
 from torchtitan.cellmap.labels import label_to_ids, label_to_target
 from torchtitan.data.sources.cellmap import LabelCrop, read_nearest
 
@@ -52,7 +52,7 @@ def _inside(bounds, origin, voxel_size, shape) -> np.ndarray:
     """Boolean (z, y, x) mask of the grid voxels whose centres lie within ``bounds``."""
     masks = []
     for ax in range(3):
-        centres = origin[ax] + (np.arange(shape[ax]) + 0.5) * voxel_size[ax]
+        centres = voxel_centres(origin[ax], voxel_size[ax], np.arange(shape[ax]))
         masks.append((centres >= bounds[0][ax]) & (centres < bounds[1][ax]))
     return masks[0][:, None, None] & masks[1][None, :, None] & masks[2][None, None, :]
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.choices import VOXEL_RTOL
-from torchtitan.cellmap.grids import AXES, ScaleLevel, voxel_positions
+from torchtitan.cellmap.grids import AXES, ScaleLevel, box_inside, voxel_positions
 from torchtitan.cellmap.labels import DEFAULT_ENCODING, LabelEncoding
 from torchtitan.cellmap.ome_ngff import (
     is_multiscale_group,
@@ -313,8 +313,7 @@ def read_split_list(stores: StoreContext, path: str | os.PathLike) -> list[EMSou
 def check_crop_inside(source: EMSource, crop: LabelCrop) -> None:
     """A label crop must lie inside its EM volume (world coordinates, nm)."""
     em_min, em_max = source.levels[0].box_min, source.levels[0].box_max
-    tol = 1e-3
-    if np.any(crop.box_min < em_min - tol) or np.any(crop.box_max > em_max + tol):
+    if not box_inside(crop.box_min, crop.box_max, em_min, em_max):
         cls = next(iter(crop.classes))
         raise DatasetError(
             f"{source.store}: label crop {crop.name} spans {crop.box_min.tolist()}..."
