@@ -128,7 +128,8 @@ class Trainer:
         self.checkpoint: CheckpointManager | None = None
         self.metrics: MetricLogger | None = None
         self.stop: StopRequest | None = None
-        # training.time_budget_s counts from the start of this launch's first step.
+        # training.time_budget_s counts from the start of this launch's first step (its batch
+        # included).
         self.train_started: float | None = None
         self.first_step = 1
 
@@ -381,10 +382,10 @@ class Trainer:
         skipped_in_a_row = 0
         self.first_step = start + 1
         for step in range(start + 1, total + 1):
+            if step == start + 1:  # the first batch's wait counts: the loader starts here
+                self.train_started = time.perf_counter()
             batch = next(data_iter)
             resampled_local += int(batch.resampled.sum())
-            if step == start + 1:
-                self.train_started = time.perf_counter()
             loss_t, norm_t, nonfinite, stop, spent = self.train_step(batch, step)
             meter.tick()
             self.state.step = step
