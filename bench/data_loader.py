@@ -179,7 +179,7 @@ def job_config_with(args, chosen: dict):
     """The benchmark's training config with the augmentation options ``chosen`` (every other
     option at its default; options the config does not have are skipped)."""
     from torchtitan.config.manager import ConfigManager
-from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.job_config import JobConfig
 
     argv = ["--data.dataset_path", str(args.data), "--data.classes", ",".join(args.classes),
             "--data.voxel_size", ",".join(str(v) for v in VOXEL_NM),
