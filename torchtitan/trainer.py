@@ -387,6 +387,7 @@ class Trainer:
             batch = next(data_iter)
             resampled_local += int(batch.resampled.sum())
             loss_t, norm_t, nonfinite, stop, spent = self.train_step(batch, step)
+            trained_s = time.perf_counter() - self.train_started
             meter.tick()
             self.state.step = step
             if step == start + 1:
@@ -421,7 +422,7 @@ class Trainer:
             if spent:
                 logger.info("training.time_budget_s (%g s) spent: finished after step %d of %d "
                             "(%.1f s of training)", cfg.training.time_budget_s, step, total,
-                            time.perf_counter() - self.train_started)
+                            trained_s)
                 break
         if bar is not None:
             bar.close()
