@@ -19,9 +19,9 @@
 ``--manifest`` takes a CSV with the columns crop_name, dataset, origin_z/y/x (nm, outer corner
 of voxel 0), shape_z/y/x (voxels) and voxel_size_z/y/x (nm), or the challenge's test-crop
 manifest (crop_name, dataset, class_label, voxel_size, translation, shape); see
-torchtitan/inference/predictor.py. ``--submission SUB.zarr`` also writes the challenge's
+torchtitan/prediction/predictor.py. ``--submission SUB.zarr`` also writes the challenge's
 submission layout (every test crop and class on the crop's own grid; SUB.zip for upload) and
-checks it with the submission linter (torchtitan/inference/submission.py).
+checks it with the submission linter (torchtitan/prediction/submission.py).
 ``--tta`` averages over the flips of each window and ``--planes zyx`` makes a 2D model predict
 yx, zx and zy planes and average them; both override the run's ``[inference]`` settings.
 
@@ -36,7 +36,7 @@ be added to a store one command at a time.
 The run's ``config.toml`` (found next to the checkpoint, or given with --config) rebuilds the
 model; the output is OME-NGFF zarr that napari and neuroglancer open (multiscale pyramids of
 at least 3 levels, 64^3 chunks), laid out as ``PRED.zarr/crop<N>/<class>`` for crops. See
-torchtitan/inference/predictor.py.
+torchtitan/prediction/predictor.py.
 """
 
 import argparse
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank)
     args = parse_args(argv)
-    from torchtitan.inference.predictor import predict_regions
+    from torchtitan.prediction.predictor import predict_regions
 
     try:
         written = predict_regions(args)

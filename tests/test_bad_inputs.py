@@ -563,7 +563,7 @@ def call_ctx(results, tmp_path_factory) -> dict:
     """The context of the in-process calls: that of the processes, plus a copy of one dataset,
     stores predict.py did not write, prediction stores with grid mistakes and .pth files."""
     from torchtitan.data.sources.cellmap import discover
-    from torchtitan.inference.store import OWNER_ATTR
+    from torchtitan.prediction.store import OWNER_ATTR
 
     ctx = dict(results["ctx"])
     tmp = tmp_path_factory.mktemp("calls")

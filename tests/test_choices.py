@@ -145,7 +145,7 @@ GRID_FACTS = {
         {"torchtitan/checkpoint/convert.py": "RoPE periods of a checkpoint, not voxel sizes"}),
     "the position tolerance, nm": (
         r"tol = 1e-3\b|[<>] [a-z_]+ [+-] 1e-3\b", "torchtitan/cellmap/grids.py",
-        {"torchtitan/inference/submission.py": "a thousandth of the crop's voxel, not of a nm"}),
+        {"torchtitan/prediction/submission.py": "a thousandth of the crop's voxel, not of a nm"}),
 }
 
 

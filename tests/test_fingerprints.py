@@ -18,7 +18,7 @@ import pytest
 
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sources.volume_source import build_source
-from torchtitan.inference.regions import covering_grid
+from torchtitan.prediction.regions import covering_grid
 
 
 def digest(*arrays) -> str:

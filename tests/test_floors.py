@@ -115,18 +115,17 @@ def violations(graph: dict[str, set[str]], modules: str, allowed: tuple[str, ...
     return out
 
 
-def _is_product(name: str, products: tuple[str, ...], core: tuple[str, ...]) -> bool:
-    return any(within(name, p) for p in products) and not any(within(name, c) for c in core)
+def _is_product(name: str, products: tuple[str, ...]) -> bool:
+    return any(within(name, p) for p in products)
 
 
-def core_importing_products(graph: dict[str, set[str]], products: tuple[str, ...],
-                            core: tuple[str, ...] = ()) -> dict[str, set[str]]:
-    """Modules outside ``products`` (or inside ``core``, the core modules of a product's
-    package) that import something of ``products``."""
+def core_importing_products(graph: dict[str, set[str]],
+                            products: tuple[str, ...]) -> dict[str, set[str]]:
+    """Modules outside ``products`` that import something of ``products``."""
     out = {}
     for name, imported in graph.items():
-        if not _is_product(name, products, core):
-            bad = {m for m in imported if _is_product(m, products, core)}
+        if not _is_product(name, products):
+            bad = {m for m in imported if _is_product(m, products)}
             if bad:
                 out[name] = bad
     return out
@@ -140,9 +139,8 @@ CONFIG = f"{PACKAGE}.config"  # the schema, its parsing and its checks
 ERRORS = f"{PACKAGE}.errors"  # the ground floor
 CHOICES = f"{PACKAGE}.choices"  # the ground floor: names and facts several floors share
 # Floor 6, above the core: what serves people rather than the training loop.
-PRODUCTS = tuple(f"{PACKAGE}.{p}" for p in ("inference", "export", "demo", "pictures", "scripts"))
-# The core's own module in a product's package: the sliding window that validation runs.
-SLIDING_WINDOW = f"{PACKAGE}.inference.sliding_window"
+PRODUCTS = tuple(f"{PACKAGE}.{p}" for p in ("prediction", "export", "demo", "pictures",
+                                              "scripts"))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +152,7 @@ def test_the_walker_sees_the_package(graph):
     """A sanity check: the graph holds the modules and edges we know to be there."""
     assert {"torchtitan.trainer", "torchtitan.cellmap.labels", "torchtitan.evaluation"} <= set(graph)
     assert "torchtitan.scoring.stores" in graph["torchtitan.evaluation"]
-    assert SLIDING_WINDOW in graph["torchtitan.tasks.segmentation"]
+    assert f"{PACKAGE}.inference.sliding_window" in graph["torchtitan.tasks.segmentation"]
     assert "torchtitan.scoring.metrics" in graph["torchtitan.scoring.stores"]
     assert "torchtitan.models.vit" in graph["torchtitan.models.mae"]  # a relative import
 
@@ -163,7 +161,7 @@ def test_the_core_imports_no_product(graph):
     """Floor 6 (predict.py's pipeline, export, demo data, pictures, the helpers' shared parts)
     sits above the core; where the core needs a product's work, the entry script hands it
     in."""
-    assert core_importing_products(graph, PRODUCTS, (SLIDING_WINDOW,)) == {}
+    assert core_importing_products(graph, PRODUCTS) == {}
 
 
 def test_errors_import_nothing_of_ours(graph):
@@ -209,7 +207,7 @@ FLOORS = {
     f"{PACKAGE}.run": 4,  # the run's life: its lock, launch history, preemption
     f"{PACKAGE}.optimizer": 4,
     f"{PACKAGE}.logging_metrics": 4,
-    SLIDING_WINDOW: 4,  # before its package: the first prefix that holds a module decides
+    f"{PACKAGE}.inference": 4,  # the sliding window; predict.py's pipeline is a product
     f"{PACKAGE}.trainer": 5,
     f"{PACKAGE}.tasks": 5,
     **{product: 6 for product in PRODUCTS},
@@ -281,6 +279,46 @@ def test_no_import_cycle(graph):
     """No two modules import each other, not even for a type annotation: a module that needs
     a type of the one importing it names it in its docstring instead."""
     assert import_cycles(graph) == []
+
+
+def package_graph(graph: dict[str, set[str]], root: Path = REPO) -> dict[str, set[str]]:
+    """Package -> the packages its modules import (a module counts for the package that holds
+    it; a package's ``__init__`` for the package itself; imports within one package, or between
+    a package and one inside it, are left out)."""
+    def package(name: str) -> str:
+        is_package = (root.joinpath(*name.split(".")) / "__init__.py").is_file()
+        return name if is_package else name.rsplit(".", 1)[0]
+
+    out: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        a = package(name)
+        out.setdefault(a, set())
+        for other in imported:
+            b = package(other)
+            if not (within(a, b) or within(b, a)):
+                out[a].add(b)
+    return out
+
+
+# Package loops that remain, each with what removes it. A new loop fails the test below; so
+# does a listed one that is gone (take it off the list).
+KNOWN_PACKAGE_LOOPS = {
+    ("torchtitan.data.sampling", "torchtitan.data.slices", "torchtitan.data.sources"):
+        "reading a crop is spread over the three (one crop reader for the data floor)",
+}
+
+
+def test_no_package_loop_but_the_known_ones(graph):
+    loops = {tuple(c) for c in import_cycles(package_graph(graph))}
+    assert loops == set(KNOWN_PACKAGE_LOOPS), sorted(loops ^ set(KNOWN_PACKAGE_LOOPS))
+
+
+def test_a_package_loop_is_found(tmp_path):
+    _write(tmp_path, {**CLEAN, "torchtitan/pictures/drawing.py": "import numpy\n",
+                      "torchtitan/tasks/seg.py": "from torchtitan.pictures import drawing\n",
+                      "torchtitan/pictures/__init__.py": "from torchtitan.tasks import base\n"})
+    g = package_graph(import_graph(tmp_path), tmp_path)
+    assert import_cycles(g) == [["torchtitan.pictures", "torchtitan.tasks"]]
 
 
 def test_an_import_cycle_is_found(tmp_path):

@@ -259,7 +259,7 @@ def test_blockwise_equals_whole_volume_with_tta_and_zyx():
 
 
 def test_predictor_options_follow_the_config_unless_overridden(demo_data):
-    from torchtitan.inference.predictor import inference_options
+    from torchtitan.prediction.predictor import inference_options
 
     def cfg(*extra):
         return ConfigManager().parse_args([
@@ -287,7 +287,7 @@ HEADER = ("crop_name,dataset,origin_z,origin_y,origin_x,shape_z,shape_y,shape_x,
 
 
 def test_read_manifest(tmp_path):
-    from torchtitan.inference.regions import covering_grid, read_manifest
+    from torchtitan.prediction.regions import covering_grid, read_manifest
 
     path = tmp_path / "m.csv"
     path.write_text(HEADER + ",class_label\n"

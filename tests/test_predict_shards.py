@@ -19,7 +19,7 @@ import pytest
 import zarr
 
 from conftest import REPO, _env, launch, script_module
-from torchtitan.inference.store import BLOCKS, claim_finishing, release_finishing
+from torchtitan.prediction.store import BLOCKS, claim_finishing, release_finishing
 
 CLASSES = ("nuc", "mito", "er", "cell")
 # 10 sections of 159 x 159 voxels of jrc_synth-1, each window predicted with flips.

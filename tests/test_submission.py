@@ -157,7 +157,7 @@ def test_fetched_layout_trains_predicts_a_submission_that_passes_and_is_scored(f
         assert arr.dtype == (np.uint32 if cls in INSTANCE_CLASSES else np.uint8)
     assert not (sub / "crop1" / "all").exists()
 
-    r = _run("-m", "torchtitan.inference.submission", "--check", sub, "--groundtruth", fetched, "--crops", "1,2")
+    r = _run("-m", "torchtitan.prediction.submission", "--check", sub, "--groundtruth", fetched, "--crops", "1,2")
     assert r.returncode == 0, r.stdout + r.stderr
     for version, name in (("2025", "cellmap-2025 (revised"), ("2024", "cellmap-2024 (original")):
         out = tmp_path / f"scores_{version}.json"
@@ -223,13 +223,13 @@ MUTATIONS = {
 
 @pytest.fixture(scope="module")
 def targets(demo_data):
-    from torchtitan.inference.submission import crops_from_groundtruth
+    from torchtitan.prediction.submission import crops_from_groundtruth
 
     return crops_from_groundtruth(demo_data, ["crop1", "crop2"])
 
 
 def test_a_valid_submission_passes_and_a_left_out_class_only_warns(targets, tmp_path, capsys):
-    from torchtitan.inference.submission import check_submission, main
+    from torchtitan.prediction.submission import check_submission, main
 
     sub = tmp_path / "sub.zarr"
     _valid_submission(targets, sub)
@@ -251,7 +251,7 @@ def test_a_valid_submission_passes_and_a_left_out_class_only_warns(targets, tmp_
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_each_rejection_is_named(targets, demo_data, tmp_path, mutation, capsys):
-    from torchtitan.inference.submission import check_submission, main
+    from torchtitan.prediction.submission import check_submission, main
 
     sub = tmp_path / "sub.zarr"
     _valid_submission(targets, sub)
@@ -265,7 +265,7 @@ def test_each_rejection_is_named(targets, demo_data, tmp_path, mutation, capsys)
 
 
 def test_a_zarr_v3_store_is_rejected(targets, tmp_path):
-    from torchtitan.inference.submission import check_submission
+    from torchtitan.prediction.submission import check_submission
 
     sub = tmp_path / "v3.zarr"
     zarr.open_group(str(sub), mode="w", zarr_format=3)

@@ -387,6 +387,7 @@ class Trainer:
             batch = next(data_iter)
             resampled_local += int(batch.resampled.sum())
             loss_t, norm_t, nonfinite, stop, spent = self.train_step(batch, step)
+            trained_s = time.perf_counter() - self.train_started
             meter.tick()
             self.state.step = step
             if step == start + 1:
@@ -401,20 +402,7 @@ class Trainer:
                 bar.update(1)
             last = step == total or spent
             if step % cfg.metrics.log_freq == 0 or last or step == start + 1:
-                loss, grad_norm = float(loss_t), float(norm_t)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                values = {"loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
-                          "grad_norm": grad_norm, **meter.report(),
-                          "train/skipped_steps": float(self.state.skipped_steps)}
-                # Samples replaced after a read error (corrupt chunk), all ranks, this launch.
-                values["data/resampled"] = float(_all_reduce(
-                    torch.tensor(float(resampled_local), dtype=torch.float64, device=self.device),
-                    self.dp_mesh))
-                self.metrics.log(step, values)
-                if bar is None:
-                    logger.info("step %d loss %.4f lr %.2e grad_norm %.3f %.0f voxels/s", step,
-                                loss, values["lr"], grad_norm, values["voxels_per_second"])
+                self._log_step(step, loss_t, norm_t, meter, resampled_local, bar)
             # Save before validating: a validation that fails must not cost the checkpoint.
             saved = False
             if self.checkpoint.should_save(step, last) or (stop and self.checkpoint.enabled):
@@ -434,13 +422,32 @@ class Trainer:
             if spent:
                 logger.info("training.time_budget_s (%g s) spent: finished after step %d of %d "
                             "(%.1f s of training)", cfg.training.time_budget_s, step, total,
-                            time.perf_counter() - self.train_started)
+                            trained_s)
                 break
         if bar is not None:
             bar.close()
         if start >= total and not scores:
             scores = self.validate(start)
         return scores
+
+    def _log_step(self, step: int, loss_t, norm_t, meter: Throughput, resampled_local: int,
+                  bar) -> None:
+        """The metrics of ``step`` (loss and gradient norm read on the host here), to the
+        logs and the progress bar."""
+        loss, grad_norm = float(loss_t), float(norm_t)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        values = {"loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
+                  "grad_norm": grad_norm, **meter.report(),
+                  "train/skipped_steps": float(self.state.skipped_steps)}
+        # Samples replaced after a read error (corrupt chunk), all ranks, this launch.
+        values["data/resampled"] = float(_all_reduce(
+            torch.tensor(float(resampled_local), dtype=torch.float64, device=self.device),
+            self.dp_mesh))
+        self.metrics.log(step, values)
+        if bar is None:
+            logger.info("step %d loss %.4f lr %.2e grad_norm %.3f %.0f voxels/s", step,
+                        loss, values["lr"], grad_norm, values["voxels_per_second"])
 
     def _is_best(self, scores: dict[str, float], step: int) -> bool:
         """Whether this validation beats every earlier one (of this run, resumes included) on

@@ -4,7 +4,7 @@ Written by :func:`write_package` for ``helpers/export_model.py``; what a package
 
 * **weights**: TorchScript (``weights_torchscript.pt``), ONNX (``weights.onnx``) and the
   PyTorch state dict (``weights.pt``, whose architecture is
-  :func:`torchtitan.export.network.build_network` with the run's ``[model]`` section: it needs
+  :func:`torchtitan.prediction.exported.build_network` with the run's ``[model]`` section: it needs
   this package installed; the other two need only PyTorch or an ONNX runtime);
 * **input** ``em``: axes batch, channel (one: ``em``) and the spatial axes (2D: y, x; 3D: z,
   y, x) with the training voxel size in nanometres; the size is the training window
@@ -37,9 +37,9 @@ from torchtitan.cellmap.affinities import AffinitySpec, config_outputs
 
 from torchtitan.choices import EM_SCALE
 from torchtitan.config.parsing import config_to_toml
-from torchtitan.export import network as exported
-from torchtitan.export.network import ExportError
-from torchtitan.inference.trained_model import (
+from torchtitan.prediction import exported
+from torchtitan.prediction.exported import ExportError
+from torchtitan.export.trained_model import (
     Card,
     TrainedModel,
     model_card,
@@ -144,7 +144,7 @@ def write_weights(v, model: TrainedModel, folder: Path, opset: int, onnx: bool):
     torch_version = v.Version(torch.__version__.split("+")[0])
     torch.save(state_dict(model), folder / exported.STATE_DICT)
     architecture = v.ArchitectureFromLibraryDescr(
-        import_from="torchtitan.export.network", callable=v.Identifier("build_network"),
+        import_from="torchtitan.prediction.exported", callable=v.Identifier("build_network"),
         kwargs={"model": dataclasses.asdict(model.cfg.model),
                 "classes": list(model.cfg.data.classes),
                 "affinities": AffinitySpec.from_config(model.cfg).as_config()})

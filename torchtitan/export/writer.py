@@ -11,7 +11,7 @@ trained it become, in ``--out``:
   ``model.safetensors`` and the resolved config (``config.toml``).
 
 The network is the segmentation model in float32 with SDPA attention: its output is one logit
-per class (:mod:`torchtitan.export.network`), and a sigmoid per class gives the probabilities
+per class (:mod:`torchtitan.prediction.exported`), and a sigmoid per class gives the probabilities
 (the package's postprocessing; "ce" runs: a softmax after a zero background logit). Its input is
 one window of the training crop size (``model.crop_size``), the tile of blockwise prediction;
 the batch size is free. The EM reaches it as training reads it: on the uint8 scale (through the
@@ -32,10 +32,10 @@ from pathlib import Path
 
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.cellmap.affinities import config_outputs
-from torchtitan.export import network as exported
+from torchtitan.prediction import exported
 from torchtitan.export.bioimageio import write_package
-from torchtitan.export.network import ExportError
-from torchtitan.inference.trained_model import (
+from torchtitan.prediction.exported import ExportError
+from torchtitan.export.trained_model import (
     DEFAULT_OPSET,
     Card,
     TrainedModel,

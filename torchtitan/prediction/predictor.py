@@ -3,7 +3,7 @@
 Used by ``predict.py``. The model is rebuilt from the run's ``config.toml`` and its weights
 are loaded from a DCP checkpoint (a step folder, or a run's checkpoint folder for its latest
 step) or from an exported ``.pth``; ``--model`` runs an export's weights with its own config
-instead (:mod:`torchtitan.export.network`). Input is read from zarr window by window and the
+instead (:mod:`torchtitan.prediction.exported`). Input is read from zarr window by window and the
 output is written block by block (:func:`torchtitan.inference.sliding_window.predict_blockwise`), and the
 post-processing works block by block too (:mod:`torchtitan.postprocess.blockwise`), so the memory of a
 process is set by the block (``--max_block_mb``), never by the volume. Under ``torchrun`` the
@@ -27,14 +27,14 @@ never write into the same chunk. Readers (scoring, plots) read ``s0``.
 
 where ``<region>`` is ``crop<N>`` for label crops and for the rows of a crop manifest (the
 CellMap submission layout) or the dataset name for a whole volume / ROI (the
-formats of crop manifests: :mod:`torchtitan.inference.regions`). Each class group has ``multiscales`` (scale = the
+formats of crop manifests: :mod:`torchtitan.prediction.regions`). Each class group has ``multiscales`` (scale = the
 model's voxel size, translation = centre of voxel 0, nm) and the plain ``voxel_size`` and
 ``translation`` attributes of the submission format.
 
 The steps of a region:
 
 1. **Blocks.** Each block's classes are written, then the block is marked written
-   (:mod:`torchtitan.inference.store`: ``<region>/_blocks/<k>``). The region records
+   (:mod:`torchtitan.prediction.store`: ``<region>/_blocks/<k>``). The region records
    its plan (geometry, block grid, dtype, classes, checkpoint and inference settings): a job
    that finds the same plan resumes at the blocks not yet written; another plan, or a region
    without one, is predicted again from its start.
@@ -49,7 +49,7 @@ Jobs: without ``--shard`` one job (of any number of ranks) predicts every block 
 last step. ``--shard I/N`` (``0 <= I < N``) predicts only the blocks ``j`` with ``j % N == I``
 (``j`` counts the blocks of all requested regions in order) and runs the last step only when
 it finds every block written (the last shard to finish: one job claims it, see
-:func:`torchtitan.inference.store.claim_finishing`); ``--finish`` runs the last step
+:func:`torchtitan.prediction.store.claim_finishing`); ``--finish`` runs the last step
 alone, e.g. after the shards of a SLURM array, and says which blocks are missing if any are.
 Shards and ``--finish`` take the same arguments otherwise.
 
@@ -114,14 +114,14 @@ from torchtitan.inference.sliding_window import (
 from torchtitan.models import resolve_attention_backend, use_attention
 from torchtitan.parallelisms.process_group import init_process_group
 from torchtitan.postprocess.masks import PostProcessing
-from torchtitan.export import network as exported
-from torchtitan.inference.regions import (
+from torchtitan.prediction import exported
+from torchtitan.prediction.regions import (
     Region,
     read_manifest,
     requested_regions,
     test_manifest_crops,
 )
-from torchtitan.inference.store import (
+from torchtitan.prediction.store import (
     COMPLETE_ATTR,
     OWNER_ATTR,
     check_output_store,
@@ -135,7 +135,7 @@ from torchtitan.inference.store import (
     store_lock,
     stored_plan,
 )
-from torchtitan.inference.submission import SUBMISSION_ATTR
+from torchtitan.prediction.submission import SUBMISSION_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -605,7 +605,7 @@ def view_chunking(block, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _write_submission(args, cfg, names: list[str], classes: list[str]) -> list[str]:
     """The challenge submission of the predicted crops (``--submission``), checked by the
     linter; an error when the linter would reject it."""
-    from torchtitan.inference.submission import (
+    from torchtitan.prediction.submission import (
         check_submission,
         crops_from_boxes,
         crops_from_groundtruth,

@@ -2,8 +2,8 @@
 
     python predict.py --checkpoint RUN/checkpoint --manifest test_crop_manifest.csv \
         --out pred.zarr --instances --submission submission.zarr
-    python -m torchtitan.inference.submission --check submission.zarr --manifest test_crop_manifest.csv
-    python -m torchtitan.inference.submission --check submission.zarr --groundtruth data --crops 1,2
+    python -m torchtitan.prediction.submission --check submission.zarr --manifest test_crop_manifest.csv
+    python -m torchtitan.prediction.submission --check submission.zarr --groundtruth data --crops 1,2
 
 A submission (layout: :mod:`torchtitan.cellmap.challenge`) holds, for every test crop and
 class, one array on the crop's own grid (its voxel size, translation and shape), with the
@@ -235,7 +235,7 @@ def format_report(problems: list[Problem], crops: dict[str, ChallengeCrop], path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan.inference.submission",
+    p = argparse.ArgumentParser(prog="python -m torchtitan.prediction.submission",
                                 description="Check a CellMap challenge submission before upload.")
     p.add_argument("--check", required=True, metavar="SUBMISSION",
                    help="the submission zarr (format 2) to check")

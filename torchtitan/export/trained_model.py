@@ -26,8 +26,8 @@ from torchtitan.data.sources.cellmap import discover, em_to_uint8_scale, read_li
 from torchtitan.data.sampling.samples import crop_grid, grid_shape, normalize_em
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
-from torchtitan.export import network as exported
-from torchtitan.export.network import ExportError
+from torchtitan.prediction import exported
+from torchtitan.prediction.exported import ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def check_out(out: Path) -> None:
 
 def load_trained(checkpoint: str, config: str | None) -> tuple[object, torch.nn.Module, Path]:
     """(run config, network with the checkpoint's weights, the weights' path)."""
-    from torchtitan.inference.predictor import load_run_config, load_weights
+    from torchtitan.prediction.predictor import load_run_config, load_weights
 
     path = Path(checkpoint)
     if not path.exists():

@@ -4,7 +4,7 @@ predict.py writes only into stores it created: the root and every region and cla
 creates carry :data:`OWNER_ATTR` before anything is written into them, and a finished
 region's group gets :data:`COMPLETE_ATTR`. :func:`check_output_store` refuses, before any
 work, an output that is a file, lies inside another zarr store, or is a folder or store (or
-holds groups) that predict.py did not write; see :mod:`torchtitan.inference.predictor`.
+holds groups) that predict.py did not write; see :mod:`torchtitan.prediction.predictor`.
 
 Progress below the region: the region's group records the plan its blocks are predicted
 with (:data:`PLAN_ATTR`: geometry, block grid, dtype, classes, model and inference settings),
@@ -35,7 +35,7 @@ from torchtitan.postprocess.blockwise import WORK
 from torchtitan.postprocess.blockwise_labels import Blocks
 from torchtitan.cellmap.ome_ngff import create_multiscale_group
 from torchtitan.errors import ConfigError
-from torchtitan.inference.regions import Region
+from torchtitan.prediction.regions import Region
 
 logger = logging.getLogger(__name__)
 
