@@ -221,7 +221,7 @@ def augment_summary(cfg, samples=None) -> str:
 def build_ours(cfg):
     """The training samples, exactly as the segmentation task makes them."""
     from torchtitan.data.sampling.samples import build_segmentation_samples
-    from torchtitan.data.sources.crops import load_segmentation_data
+    from torchtitan.data.crops.selection import load_segmentation_data
 
     sources, train, _ = load_segmentation_data(cfg)
     return build_segmentation_samples(cfg, sources, train)
@@ -555,7 +555,7 @@ def device_seconds(samples, indices) -> float:
     import torch
 
     from torchtitan.data.sampling.augment import Augmenter
-    from torchtitan.data.batch import collate
+    from torchtitan.data.sampling.batch import collate
 
     batches = [collate([samples[g]]) for g in indices]
     threads = torch.get_num_threads()

@@ -34,7 +34,7 @@ import torch
 from torchtitan.cellmap.affinities import AffinitySpec, split_outputs
 from torchtitan.checkpoint.reading import resolve_step_folder
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources.volume_source import build_source
+from torchtitan.data.volume_source import build_source
 from torchtitan.inference.sliding_window import VolumePredictor
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.scoring.metrics import combine_scores, validation_scores

@@ -35,7 +35,7 @@ import sys
 import time
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources import cellmap
+from torchtitan.data.crops import layout, reader
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.postprocess.masks import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
@@ -112,7 +112,7 @@ def run(args) -> dict:
     wanted = [c if c.startswith("crop") else f"crop{c}" for c in args.crops.split(",")] \
         if args.crops else predicted
     stores = StoreContext()  # reads the ground truth and the predictions
-    truth_crops = {c.name: c for s in cellmap.discover(stores, args.groundtruth) for c in s.crops}
+    truth_crops = {c.name: c for s in layout.discover(stores, args.groundtruth) for c in s.crops}
     per_crop_class, per_crop, classes = [], [], []
     seconds = {step: 0.0 for step in {**steps, **joint_steps}}
     for name in wanted:
@@ -130,7 +130,7 @@ def run(args) -> dict:
                 raise UserError(f"{node}: holds masks or ids, not probabilities; predict with "
                                 "predict.py --probabilities")
             truth, valid, grid = read_truth(crop, cls)
-            prob, _ = cellmap.read_linear(stores, level, grid.box_min, grid.scale, grid.shape,
+            prob, _ = reader.read_linear(stores, level, grid.box_min, grid.scale, grid.shape,
                                           fill=0)
             # One {step: score_crop result} per (crop, class): what combine_steps pools.
             result = {}

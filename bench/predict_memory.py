@@ -66,7 +66,7 @@ def make_big_dataset(data: Path, shape: tuple[int, int, int]) -> None:
     import zarr
 
     from torchtitan.cellmap.ome_ngff import create_multiscale_group
-    from torchtitan.data.sources.cellmap import EM_GROUP
+    from torchtitan.data.crops.layout import EM_GROUP
 
     path = data / "jrc_big" / "jrc_big.zarr"
     if (path / EM_GROUP / "s0" / ".zarray").is_file():

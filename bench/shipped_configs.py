@@ -65,9 +65,9 @@ def debug_backbone(name: str, min_head_dim: int = 0) -> str:
 def annotated_classes(data: Path, classes: list[str]) -> list[str]:
     """Those of ``classes`` that at least one label crop of the dataset folder annotates
     (itself or through all of its parts), in the given order."""
-    from torchtitan.data.sources.cellmap import discover
+    from torchtitan.data.crops.layout import discover
     from torchtitan.data.io.stores import StoreContext
-    from torchtitan.data.sampling.targets import annotates
+    from torchtitan.data.crops.reader import annotates
 
     crops = [crop for source in discover(StoreContext(), str(data)) for crop in source.crops]
     return [c for c in classes if any(annotates(crop, c) for crop in crops)]

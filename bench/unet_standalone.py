@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources.volume_source import build_source
+from torchtitan.data.volume_source import build_source
 from torchtitan.scoring.metrics import combine_scores, validation_scores
 from torchtitan.logging_metrics import MetricLogger
 from torchtitan.postprocess.masks import PostProcessing

@@ -7,7 +7,7 @@
         --out data/demo_slices --push_to_hub my-user/em-slices --private
 
 Each label crop is read as training and validation read it from the zarr stores (the grid of
-``--voxel_size`` nm that covers it, ``crop_grid``, read by ``samples.CropReader``: EM
+``--voxel_size`` nm that covers it, ``crop_grid``, read by ``crops.reader.CropReader``: EM
 by linear, labels by nearest sampling, composite classes from their parts) and cut into its
 planes normal to each of ``--axes``. One row per slice:
 
@@ -38,12 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.choices import EM_SCALE
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.data.sampling.samples import CropReader, crop_grid
+from torchtitan.data.crops.reader import CropReader, annotates, crop_grid, model_input_to_uint8
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.targets import annotates
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import USER_ERROR_EXIT, redact_secrets, run_cli
 from torchtitan.scripts.cli import parse_classes, parse_voxel_size, script_parser
@@ -90,7 +88,7 @@ def read_crop_slices(source, crop, classes: list[str], voxel_size) -> dict:
     bool, the grid's ``origin`` and ``shape``, and the ``annotated`` classes."""
     origin, shape = crop_grid(crop, voxel_size)
     arrays = CropReader([source], classes, voxel_size).read(crop, origin, shape)
-    em = np.clip(np.rint((arrays.image[0] + 1.0) * EM_SCALE), 0, 255).astype(np.uint8)
+    em = np.clip(np.rint(model_input_to_uint8(arrays.image[0])), 0, 255).astype(np.uint8)
     return {"em": em, "truth": arrays.target > 0, "valid": arrays.valid > 0,
             "origin": origin, "shape": shape,
             "annotated": [c for c in classes if annotates(crop, c)]}

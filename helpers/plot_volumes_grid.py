@@ -14,7 +14,7 @@ from its tile; its unannotated voxels are hatched.
 import argparse
 import sys
 
-from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.crops.layout import DatasetError
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.config.manager import flag_type
 from torchtitan.errors import run_cli

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.batch import Batch
 from torchtitan.models.mae import MaskedAutoencoder
 from torchtitan.models.segmentation import SegmentationModel
 from torchtitan.models.vit import DinoVisionTransformer

@@ -23,8 +23,8 @@ from torchtitan.cellmap.affinities import (AffinitySpec, affinities, channel_nam
                                            default_offsets, output_channels, split_outputs)
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sampling.augment import apply_axis_map, host_axis_map
-from torchtitan.data.sources.cellmap import DatasetError
-from torchtitan.data.sources.volume_source import build_source
+from torchtitan.data.crops.layout import DatasetError
+from torchtitan.data.volume_source import build_source
 from torchtitan.errors import ConfigError
 from torchtitan.choices import AFFINITY_CUTS
 from torchtitan.postprocess.affinities import (absorb_small, affinity_instances,

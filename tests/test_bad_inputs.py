@@ -562,7 +562,7 @@ def _prediction_store(path: Path, crop, scale_by: float, translation_in_voxels: 
 def call_ctx(results, tmp_path_factory) -> dict:
     """The context of the in-process calls: that of the processes, plus a copy of one dataset,
     stores predict.py did not write, prediction stores with grid mistakes and .pth files."""
-    from torchtitan.data.sources.cellmap import discover
+    from torchtitan.data.crops.layout import discover
     from torchtitan.prediction.store import OWNER_ATTR
 
     ctx = dict(results["ctx"])

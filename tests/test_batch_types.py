@@ -11,8 +11,8 @@ from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.sampling.augment import Augmenter, DeviceAugmentation
-from torchtitan.data.batch import Batch, Sample, collate
-from torchtitan.data.sampling.samples import normalize_em
+from torchtitan.data.sampling.batch import Batch, Sample, collate
+from torchtitan.data.crops.reader import em_to_model_input
 from torchtitan.tasks import MAETask, SegmentationTask, Task, ValidationContext
 
 
@@ -97,7 +97,7 @@ def test_batch_moves_to_the_device_then_is_augmented_there():
     batch = collate([_sample(g, intensity=True) for g in range(2)])
     moved = batch.to(device)
     assert moved.image.device.type == device.type and moved.image.dtype == torch.float32
-    expected = torch.from_numpy(normalize_em(batch.image.numpy()))
+    expected = torch.from_numpy(em_to_model_input(batch.image.numpy()))
     assert torch.equal(moved.image.cpu(), expected)  # bit for bit the host normalisation
     assert moved.target.dtype == moved.valid.dtype == torch.float32
     # The payload and the bookkeeping stay on the host (read there without a device sync).

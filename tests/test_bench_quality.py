@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import script_module
 
-from torchtitan.data.batch import CropVolume
+from torchtitan.data.volume_source import CropVolume
 
 needs_monai = pytest.mark.skipif(not importlib.util.find_spec("monai"),
                                  reason="MONAI is a benchmark dependency: pip install monai")

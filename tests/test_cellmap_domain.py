@@ -19,10 +19,11 @@ import zarr
 
 from torchtitan.cellmap.labels import LabelEncoding, label_to_ids, label_to_target
 from torchtitan.cellmap.ome_ngff import read_multiscales, write_multiscale_array_group
-from torchtitan.data.sources.cellmap import EM_GROUP, GT_GROUP, discover
+from torchtitan.data.crops.layout import EM_GROUP, GT_GROUP, discover
 from torchtitan.data.sampling.samples import SegmentationSamples
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.targets import compose_targets, groups_to_read, read_instance_ids, read_raw
+from torchtitan.data.crops.reader import (compose_targets, groups_to_read, read_instance_ids,
+                                          read_raw)
 from torchtitan.scripts.label_crops import read_crop_volume
 from torchtitan.scoring.stores import read_truth
 

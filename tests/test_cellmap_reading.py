@@ -6,14 +6,12 @@ import numpy as np
 import pytest
 import zarr
 
-from torchtitan.data.sources.cellmap import (
-    DatasetError,
-    discover,
-    read_linear,
-)
-from torchtitan.data.sampling.samples import SegmentationSamples, crop_grid
+from torchtitan.data.crops.layout import DatasetError, discover
+from torchtitan.data.crops.reader import read_linear
+from torchtitan.data.sampling.samples import SegmentationSamples
+from torchtitan.data.crops.reader import crop_grid
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.targets import read_target
+from torchtitan.data.crops.reader import read_target
 
 
 def _write_level_group(group_path: Path, arrays: list[np.ndarray], scales, translations, attrs=None):

@@ -13,8 +13,8 @@ import torch
 
 from torchtitan import choices
 from torchtitan.config.job_config import JobConfig
-from torchtitan.data.batch import Batch
-from torchtitan.data.sampling.samples import normalize_em
+from torchtitan.data.sampling.batch import Batch
+from torchtitan.data.crops.reader import em_to_model_input
 from torchtitan.models import build_backbone
 from torchtitan.models.attention import attention, resolve_attention_backend
 from torchtitan.models.losses import LOSSES, build_loss
@@ -80,7 +80,7 @@ def test_every_attention_name_is_served():
 
 def test_em_scale_is_the_one_both_normalisations_apply():
     raw = np.arange(256, dtype=np.uint8).reshape(1, 16, 16)
-    host = normalize_em(raw)
+    host = em_to_model_input(raw)
     np.testing.assert_array_equal(host, raw.astype(np.float32) / np.float32(choices.EM_SCALE) - 1)
     assert host.min() == -1.0 and host.max() == 1.0
     batch = Batch(image=torch.from_numpy(raw[None]), valid=torch.ones(1, 1, 16, 16, dtype=torch.bool),
@@ -128,7 +128,7 @@ def test_no_module_renames_a_choice():
     assert not found, found
 
 
-# The grid facts and their one owner each; a second copy of the formula elsewhere in
+# The grid facts (and the EM input's scale) and their one owner each; a second copy of the formula elsewhere in
 # torchtitan/ fails the test below (code only, as tokens joined by single spaces: docstrings
 # and comments may state the rule; the owner names its slack and tolerances).
 # Other modules that match a pattern for another fact are listed with that fact.
@@ -143,6 +143,9 @@ GRID_FACTS = {
     "the voxel-size tolerance": (
         r"rtol = 1e-|\( 1 [+-] 1e-\d", "torchtitan/choices.py",
         {"torchtitan/checkpoint/convert.py": "RoPE periods of a checkpoint, not voxel sizes"}),
+    "EM as the model's input, em / EM_SCALE - 1 (and its inverse)": (
+        r"\bEM_SCALE\b", "torchtitan/data/crops/reader.py",
+        {"torchtitan/choices.py": "the scale's definition"}),
     "the position tolerance, nm": (
         r"tol = 1e-3\b|[<>] [a-z_]+ [+-] 1e-3\b", "torchtitan/cellmap/grids.py",
         {"torchtitan/prediction/submission.py": "a thousandth of the crop's voxel, not of a nm"}),

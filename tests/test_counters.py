@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.batch import Batch
 from torchtitan.logging_metrics import PEAK_FLOPS, Throughput, matmul_precision, peak_flops
 from torchtitan.tasks.mae import MAETask
 

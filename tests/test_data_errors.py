@@ -18,15 +18,10 @@ import zarr
 
 from conftest import launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources.cellmap import (
-    ChunkReadError,
-    DatasetError,
-    check_voxel_size,
-    discover,
-    read_linear,
-)
+from torchtitan.data.crops.reader import ChunkReadError, read_linear
+from torchtitan.data.crops.layout import DatasetError, check_voxel_size, discover
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.sources.crops import load_em_sources, load_segmentation_data
+from torchtitan.data.crops.selection import load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext, StoreSettings
 from torchtitan.data.io.zarr_chunks import ChunkedArray
 

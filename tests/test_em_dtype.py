@@ -17,11 +17,11 @@ import pytest
 import zarr
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources import cellmap
-from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.crops import layout, reader
+from torchtitan.data.crops.layout import DatasetError
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.sources.crops import load_segmentation_data
-from torchtitan.data.sampling.samples import normalize_em
+from torchtitan.data.crops.selection import load_segmentation_data
+from torchtitan.data.crops.reader import em_to_model_input
 from torchtitan.data.io.stores import StoreContext
 
 EM = "recon-1/em/fibsem-uint8"
@@ -65,7 +65,7 @@ def images(data: Path, *extra: str) -> list[np.ndarray]:
     out = []
     for i in SAMPLES:
         img = samples[i].image.numpy()
-        out.append(normalize_em(img) if img.dtype == np.uint8 else img)
+        out.append(em_to_model_input(img) if img.dtype == np.uint8 else img)
     return out
 
 
@@ -107,7 +107,7 @@ def test_float_em_needs_a_range_and_then_equals_uint8(demo_data, tmp_path, refer
 def test_em_outside_the_range_is_clipped_with_one_warning(demo_data, tmp_path, reference, caplog):
     data = copy_data(demo_data, tmp_path, "clip")
     convert_em(data, lambda a: a.astype(np.uint16) * 257)
-    cellmap._WARNED_OUT_OF_RANGE.clear()
+    reader._WARNED_OUT_OF_RANGE.clear()
     with caplog.at_level(logging.WARNING):
         got = images(data, "--data.em_range", "0,32896")  # 128 * 257: the upper half clips
     warned = [r for r in caplog.records if "are clipped" in r.getMessage()]
@@ -141,9 +141,9 @@ def test_nan_in_a_sample_read_is_an_error(tmp_path):
         {"path": "s0", "coordinateTransformations": [{"type": "scale", "scale": [8.0, 8.0, 8.0]},
                                                      {"type": "translation",
                                                       "translation": [4.0, 4.0, 4.0]}]}]}]
-    source = cellmap.discover(StoreContext(), tmp_path)[0]
-    cellmap.set_em_ranges([source], [0.0, 1.0])  # the central box is clean
-    img, inside = cellmap.read_linear(source.stores, source.levels[0], np.zeros(3), (8.0, 8.0, 8.0),
+    source = layout.discover(StoreContext(), tmp_path)[0]
+    reader.set_em_ranges([source], [0.0, 1.0])  # the central box is clean
+    img, inside = reader.read_linear(source.stores, source.levels[0], np.zeros(3), (8.0, 8.0, 8.0),
                                       (8, 8, 8))
     with pytest.raises(DatasetError, match=r"one\.zarr/recon-1/em/fibsem-uint8/s0 holds NaN"):
-        cellmap.em_to_uint8_scale(img, source, source.levels[0].path, inside)
+        reader.em_to_uint8_scale(img, source, source.levels[0].path, inside)

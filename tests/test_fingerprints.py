@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources.volume_source import build_source
+from torchtitan.data.volume_source import build_source
 from torchtitan.prediction.regions import covering_grid
 
 

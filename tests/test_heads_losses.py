@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.batch import Batch
 from torchtitan.models import SegmentationModel, build_backbone, build_loss, predict_probabilities
 from torchtitan.models.losses import LOSSES, masked_bce_loss, soft_dice_loss
 from torchtitan.models.segmentation import UpConvHead

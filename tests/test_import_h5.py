@@ -24,12 +24,12 @@ from conftest import SHARED
 from torchtitan.cellmap.labels import LabelEncoding
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources import cellmap
-from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.data.crops import layout, reader
+from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.data.imports.id_labels import boundary_mask
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.imports.volume_files import HDF5Volume
-from torchtitan.data.sources.volume_source import build_source
+from torchtitan.data.volume_source import build_source
 from test_import_stack import imported, run
 
 MEDULLA = SHARED / "data" / "medulla"
@@ -144,7 +144,7 @@ def test_hdf5_raw_and_ids_become_em_and_instance_and_boundary_crops(h5, tmp_path
         assert f"{crop}: sections {a}-{b}" in log and f"({n} objects), pm {want.mean():.3f}" in log
 
     # The project's reader finds both crops, their classes and the voxel size.
-    (source,) = cellmap.discover(StoreContext(), out)
+    (source,) = layout.discover(StoreContext(), out)
     assert sorted(c.name for c in source.crops) == ["crop1", "crop2"]
     assert all(sorted(c.classes) == ["cell", "pm"] for c in source.crops)
     assert source.crops[1].classes["pm"][0].translation == (40.0, 0.0, 0.0)  # section 5 at 8 nm
@@ -347,7 +347,7 @@ def test_medulla_imports_and_reads_back_through_the_volume_source(tmp_path, caps
     # The README's figure: 12.6 % of the cube's voxels have a face neighbour of another id.
     assert boundary_mask(ids, np.ones(ids.shape, bool)).mean() == pytest.approx(0.126, abs=0.0005)
 
-    sources = {s.name: s for s in cellmap.discover(StoreContext(), out)}
+    sources = {s.name: s for s in layout.discover(StoreContext(), out)}
     assert sorted(sources) == ["medulla", "medulla_more"] and sources["medulla_more"].crops == []
     for s in sources.values():
         assert [lv.shape for lv in s.levels] == [(250,) * 3, (125,) * 3, (63,) * 3]

@@ -24,14 +24,14 @@ from conftest import REPO, SHARED, script_module
 from torchtitan.cellmap.labels import LabelEncoding, label_to_target
 from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales, stored_intensity_range
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources import cellmap
-from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.data.crops import layout, reader
+from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.data.imports.image_stack import natural_key
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.sources.crops import load_em_sources, load_segmentation_data
+from torchtitan.data.crops.selection import load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.samples import CropReader, crop_grid
-from torchtitan.data.sampling.targets import read_instance_ids
+from torchtitan.data.crops.reader import CropReader, crop_grid
+from torchtitan.data.crops.reader import read_instance_ids
 from torchtitan.errors import run_cli
 
 import_main = script_module("helpers/import_stack.py").main
@@ -129,8 +129,8 @@ def test_tiff_folder_with_png_labels_becomes_em_pyramid_and_label_crops(tmp_path
     np.testing.assert_array_equal(
         root[f"{EM_GROUP}/s1"][:], np.rint(em.reshape(6, 20, 2, 48, 2).mean(axis=(2, 4))).astype(np.uint8))
 
-    crop1 = cellmap.read_crop(StoreContext(), out / "raw" / "raw.zarr" / GT_GROUP / "crop1", "raw")
-    crop7 = cellmap.read_crop(StoreContext(), out / "raw" / "raw.zarr" / GT_GROUP / "crop7", "raw")
+    crop1 = layout.read_crop(StoreContext(), out / "raw" / "raw.zarr" / GT_GROUP / "crop1", "raw")
+    crop7 = layout.read_crop(StoreContext(), out / "raw" / "raw.zarr" / GT_GROUP / "crop7", "raw")
     assert sorted(crop1.classes) == ["ecs", "mito", "pm"]
     assert crop1.classes["pm"][0].shape == (4, 40, 96)
     assert crop7.classes["pm"][0].translation == (200.0, 0.0, 0.0)  # section 4 at 50 nm
@@ -215,7 +215,7 @@ def test_an_unlabelled_stack_is_em_only_and_trains_mae(tmp_path, capsys):
     imported(["--em", tmp_path / "raw", "--out", out, "--voxel_size", VOXEL], capsys)
     root = open_store(out, "raw")
     assert "recon-1/labels" not in root
-    (source,) = cellmap.discover(StoreContext(), out)
+    (source,) = layout.discover(StoreContext(), out)
     assert source.crops == []
 
 
@@ -249,7 +249,7 @@ def test_crop_names_stay_unique_across_the_datasets_of_a_folder(tmp_path, capsys
     assert rc == 2 and "--crop crop1: dataset a in" in err and "its crops: crop1" in err
     imported(["--em", tmp_path / "a", "--name", "b", *argv, "--crop", "crop2=0-1"], capsys)
     imported(["--em", tmp_path / "a", *argv, "--overwrite"], capsys)  # its own crops are no clash
-    assert sorted(c.name for s in cellmap.discover(StoreContext(), out) for c in s.crops) == ["crop1", "crop2"]
+    assert sorted(c.name for s in layout.discover(StoreContext(), out) for c in s.crops) == ["crop1", "crop2"]
 
 
 def test_anisotropic_pyramid_steps():

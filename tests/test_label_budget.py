@@ -12,9 +12,9 @@ import pytest
 from test_sampling_augment import make_store, write_labels
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources.cellmap import DatasetError
-from torchtitan.data.sources.crops import load_segmentation_data
-from torchtitan.data.sources.volume_source import build_source
+from torchtitan.data.crops.layout import DatasetError
+from torchtitan.data.crops.selection import load_segmentation_data
+from torchtitan.data.volume_source import build_source
 from torchtitan.errors import ConfigError
 
 SECTIONS, SIDE = 20, 32

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from torchtitan.config.manager import ConfigManager
-from torchtitan.data.sources.cellmap import DatasetError
+from torchtitan.data.crops.layout import DatasetError
 from torchtitan.data.sampling.loader import GlobalBatchSampler, build_loader
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.sources.crops import load_segmentation_data, split_crops
+from torchtitan.data.crops.selection import load_segmentation_data, split_crops
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 from torchtitan.inference.sliding_window import WindowPlan, predict_volume, sliding_window
 

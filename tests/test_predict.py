@@ -7,8 +7,8 @@ import pytest
 import zarr
 
 from conftest import launch
-from torchtitan.data.sources.cellmap import discover
-from torchtitan.data.sampling.samples import crop_grid
+from torchtitan.data.crops.layout import discover
+from torchtitan.data.crops.reader import crop_grid
 from torchtitan.data.io.stores import StoreContext
 
 

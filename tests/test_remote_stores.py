@@ -140,11 +140,11 @@ def test_a_pickled_context_carries_its_settings_only(local_copy):
     again, with the settings of the original and none of its handles."""
     import pickle
 
-    from torchtitan.data.sources import cellmap
+    from torchtitan.data.crops import layout, reader
     from torchtitan.data.io.stores import StoreContext, StoreSettings
 
     context = StoreContext(StoreSettings(cache_bytes=5 << 20, array_handles=9))
-    sources = cellmap.discover(context, local_copy)
+    sources = layout.discover(context, local_copy)
     context.open_array(sources[0].levels[0].path)
     again = pickle.loads(pickle.dumps(sources))
     copy = again[0].stores
@@ -174,13 +174,13 @@ def test_spawned_loader_worker_reads_with_the_parent_settings(http_root):
     handles, and stays one context for every source and crop."""
     from torch.utils.data import DataLoader
 
-    from torchtitan.data.sources import cellmap
+    from torchtitan.data.crops import layout, reader
     from torchtitan.data.io.stores import StoreContext, StoreSettings
 
     url, _ = http_root
     settings = StoreSettings(cache_bytes=3 << 20, array_handles=7)
     context = StoreContext(settings)
-    sources = cellmap.discover(context, url)
+    sources = layout.discover(context, url)
     context.open_array(sources[0].levels[0].path)  # a handle of the parent's
     loader = DataLoader(_ContextProbe(sources), batch_size=None, num_workers=1,
                         multiprocessing_context="spawn")
@@ -196,14 +196,14 @@ def test_spawned_loader_worker_reads_with_the_parent_settings(http_root):
 
 
 def test_same_boxes_and_layout_from_disk_http_and_s3(local_copy, http_root, s3_root):
-    from torchtitan.data.sources import cellmap
+    from torchtitan.data.crops import layout, reader
     from torchtitan.data.io import stores
     from torchtitan.data.io import zarr_chunks
 
     context = stores.StoreContext()
     url, _ = http_root
     roots = [str(local_copy), url, f"{s3_root}/data", f"{s3_root}/bare"]
-    found = [_summary(cellmap.discover(context, r)) for r in roots]
+    found = [_summary(layout.discover(context, r)) for r in roots]
     assert found[0] and all(f == found[0] for f in found[1:])
     for rel in (EM_S0, LABEL_S0):
         local = context.open_array(str(local_copy / rel))
@@ -222,7 +222,7 @@ def test_same_boxes_and_layout_from_disk_http_and_s3(local_copy, http_root, s3_r
 
 def test_split_list_with_urls(local_copy, http_root, tmp_path):
     """A split list names remote stores and crops (with and without class lists)."""
-    from torchtitan.data.sources import cellmap
+    from torchtitan.data.crops import layout, reader
     from torchtitan.data.io.stores import StoreContext
 
     context = StoreContext()
@@ -233,10 +233,10 @@ def test_split_list_with_urls(local_copy, http_root, tmp_path):
         f'"train","{store}","recon-1/em/fibsem-uint8","{store}","recon-1/labels/groundtruth/crop1/[mito,nuc]"\n'
         f'"validate","{store}","recon-1/em/fibsem-uint8","{store}","recon-1/labels/groundtruth/crop3"\n'
     )
-    (source,) = cellmap.discover(context, csv)
+    (source,) = layout.discover(context, csv)
     assert source.name == "jrc_synth-1" and source.store == store
     crops = {c.name: (c.split, sorted(c.classes)) for c in source.crops}
-    (local,) = [s for s in cellmap.discover(context, local_copy) if s.name == "jrc_synth-1"]
+    (local,) = [s for s in layout.discover(context, local_copy) if s.name == "jrc_synth-1"]
     crop3 = next(c for c in local.crops if c.name == "crop3")
     assert crops == {"crop1": ("train", ["mito", "nuc"]), "crop3": ("val", sorted(crop3.classes))}
 
@@ -286,22 +286,22 @@ def test_transient_server_errors_are_retried(local_copy, http_root):
 def test_persistent_network_error_is_counted_like_a_corrupt_chunk(local_copy, http_root):
     """A chunk the server keeps refusing: ChunkReadError after the retries, and a training
     sample that needs it is redrawn and counted in ``resampled``."""
-    from torchtitan.data.sources import cellmap
+    from torchtitan.data.crops import layout, reader
     from torchtitan.data.sampling.samples import SegmentationSamples
     from torchtitan.data.io.stores import StoreContext
 
     context = StoreContext()
     url, server = http_root
-    sources = [s for s in cellmap.discover(context, url) if s.name == "jrc_synth-1"]
+    sources = [s for s in layout.discover(context, url) if s.name == "jrc_synth-1"]
     level = sources[0].levels[0]
     server.failures[f"/{EM_S0}/"] = -1  # every EM s0 chunk of jrc_synth-1
     try:
-        with pytest.raises(cellmap.ChunkReadError, match=EM_S0):
-            cellmap._read_region(context, level, [0, 0, 0], [1, 8, 8], 0)
+        with pytest.raises(reader.ChunkReadError, match=EM_S0):
+            reader._read_region(context, level, [0, 0, 0], [1, 8, 8], 0)
         crops = sources[0].crops
         ds = SegmentationSamples(sources, crops, ["mito"], [8.0, 8.0, 8.0], [32, 32], seed=0,
                                  augment=False, max_resample=3)
-        with pytest.raises(cellmap.DatasetError, match="resampl|read|chunk"):
+        with pytest.raises(layout.DatasetError, match="resampl|read|chunk"):
             ds[0]  # every replacement needs the same EM: gives up after max_resample
         server.failures[f"/{EM_S0}/"] = 0
         server.failures[f"/{EM_S0}/0.0.0"] = -1  # one chunk only
@@ -316,18 +316,18 @@ def test_persistent_network_error_is_counted_like_a_corrupt_chunk(local_copy, ht
 
 
 def test_unreachable_or_misspelled_url_is_named(http_root, s3_root):
-    from torchtitan.data.sources import cellmap
+    from torchtitan.data.crops import layout, reader
     from torchtitan.data.io.stores import StoreContext
 
     url, _ = http_root
     closed = f"http://127.0.0.1:{_free_port()}/data"
-    with pytest.raises(cellmap.DatasetError, match=f"cannot read {closed}"):
-        cellmap.discover(StoreContext(), closed)
+    with pytest.raises(layout.DatasetError, match=f"cannot read {closed}"):
+        layout.discover(StoreContext(), closed)
     for wrong in (f"{url}/no_such_folder", f"{s3_root}/no_such_prefix"):
-        with pytest.raises(cellmap.DatasetError, match=f"data.dataset_path '{wrong}' does not exist"):
-            cellmap.discover(StoreContext(), wrong)
-    with pytest.raises(cellmap.DatasetError, match="unsupported URL"):
-        cellmap.discover(StoreContext(), "ftp://example.org/data")
+        with pytest.raises(layout.DatasetError, match=f"data.dataset_path '{wrong}' does not exist"):
+            layout.discover(StoreContext(), wrong)
+    with pytest.raises(layout.DatasetError, match="unsupported URL"):
+        layout.discover(StoreContext(), "ftp://example.org/data")
 
 
 # -- 2. training from remote stores --------------------------------------------------------------

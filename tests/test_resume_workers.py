@@ -17,7 +17,7 @@ from conftest import launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sampling.loader import build_loader
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.sources.crops import load_segmentation_data
+from torchtitan.data.crops.selection import load_segmentation_data
 
 SEG2D = "train_configs/debug_segmentation_2d.toml"
 PARALLELISM = {

@@ -16,7 +16,7 @@ import torch
 import zarr
 
 from torchtitan.config.job_config import Augmentation
-from torchtitan.data.sources.cellmap import DatasetError, discover
+from torchtitan.data.crops.layout import DatasetError, discover
 from torchtitan.cellmap.classes import (
     CLASS_PARTS,
     INSTANCE_CLASSES,
@@ -24,11 +24,11 @@ from torchtitan.cellmap.classes import (
     check_class_names,
 )
 from torchtitan.data.sampling.augment import Augmenter
-from torchtitan.data.batch import Batch, Sample, collate
+from torchtitan.data.sampling.batch import Batch, Sample, collate
 from torchtitan.data.sampling.mae_samples import MAESamples
 from torchtitan.data.sampling.samples import SegmentationSamples, samples_kwargs
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.targets import annotates, read_instance_ids, read_target, target_groups
+from torchtitan.data.crops.reader import annotates, read_instance_ids, read_target, target_groups
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
 GT = "recon-1/labels/groundtruth"

@@ -20,9 +20,9 @@ from conftest import REPO, debug_run, launch, read_jsonl, script_module
 datasets = pytest.importorskip("datasets")
 
 from torchtitan.config.manager import ConfigManager  # noqa: E402
-from torchtitan.data.sources.cellmap import DatasetError, discover  # noqa: E402
-from torchtitan.data.sampling.samples import build_segmentation_samples  # noqa: E402
-from torchtitan.data.sampling.samples import crop_grid, normalize_em  # noqa: E402
+from torchtitan.data.crops.layout import DatasetError, discover
+from torchtitan.data.sampling.samples import build_segmentation_samples
+from torchtitan.data.crops.reader import crop_grid, em_to_model_input
 from torchtitan.data.slices.samples import (  # noqa: E402
     build_slice_mae_samples,
     build_slice_samples,
@@ -31,8 +31,8 @@ from torchtitan.data.slices.samples import (  # noqa: E402
 )
 from torchtitan.data.slices.original import CellMapIdLabels  # noqa: E402
 from torchtitan.data.io.stores import StoreContext  # noqa: E402
-from torchtitan.data.sampling.targets import annotates  # noqa: E402
-from torchtitan.data.sources.volume_source import CellMapSource, SliceSource, build_source  # noqa: E402
+from torchtitan.data.crops.reader import annotates
+from torchtitan.data.volume_source import CellMapSource, SliceSource, build_source
 
 
 def _same(a, b) -> bool:
@@ -123,7 +123,7 @@ def test_slices_equal_the_zarr_reading(slices, demo_data, dataset, crop, axis, i
     expected = zarr.image[0].take(index, ax)
     # EM is stored in 8 bits: exact where the EM grid is the training grid, else rounded.
     atol = 1e-6 if em_on_grid else 0.5 / 127.5 + 1e-6
-    np.testing.assert_allclose(normalize_em(image), expected, atol=atol, rtol=0)
+    np.testing.assert_allclose(em_to_model_input(image), expected, atol=atol, rtol=0)
     for k, cls in enumerate(CLASSES):
         label = np.asarray(item[f"label_{cls}"])
         valid = np.asarray(item[f"valid_{cls}"])

@@ -147,7 +147,7 @@ def test_fetched_layout_trains_predicts_a_submission_that_passes_and_is_scored(f
         assert s0.dtype == expected
 
     # The submission: the crops' own grids, the challenge's dtypes and attributes.
-    (crop1,) = [c for s in __import__("torchtitan.data.sources.cellmap", fromlist=["discover"]).discover(StoreContext(), fetched)
+    (crop1,) = [c for s in __import__("torchtitan.data.crops.layout", fromlist=["discover"]).discover(StoreContext(), fetched)
                 for c in s.crops if c.name == "crop1"]
     for cls in ("mito", "er"):
         arr = zarr.open_array(str(sub / "crop1" / cls), mode="r")
@@ -365,7 +365,7 @@ def test_instance_2025_nothing_anywhere_is_perfect_and_too_many_instances_is_ski
 
 
 def test_view_crop_prints_a_neuroglancer_state_and_a_napari_command(demo_data, tmp_path, monkeypatch):
-    from torchtitan.data.sources.cellmap import discover
+    from torchtitan.data.crops.layout import discover
 
     (crop,) = [c for s in discover(StoreContext(), demo_data) for c in s.crops if c.name == "crop1"]
     level = crop.classes["mito"][0]

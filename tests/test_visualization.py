@@ -323,7 +323,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def _write_predictions(demo_root: Path, out: Path, crop_name: str, classes: list[str]) -> None:
     """A prediction zarr in the submission layout: the crop's ground truth, shifted in x."""
-    from torchtitan.data.sources.cellmap import discover
+    from torchtitan.data.crops.layout import discover
 
     crop = next(c for s in discover(StoreContext(), demo_root) for c in s.crops if c.name == crop_name)
     root = zarr.open_group(str(out), mode="w", zarr_format=2)
@@ -365,7 +365,7 @@ def test_plot_volumes_single_cli_with_predictions(demo_root, tmp_path):
 
 def test_plot_volumes_single_defaults_and_errors(demo_root, tmp_path):
     main = script_module("helpers/plot_volumes_single.py").main
-    from torchtitan.data.sources.cellmap import DatasetError
+    from torchtitan.data.crops.layout import DatasetError
 
     out = tmp_path / "crop4.gif"
     main(["--zarr", str(demo_root), "--crop", "crop4", "--out", str(out)])  # with an unknown slab

@@ -35,7 +35,7 @@ from torchtitan.checkpoint.train_state import TrainState
 from torchtitan.config.manager import ConfigManager
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.sampling.augment import Augmenter
-from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.batch import Batch
 from torchtitan.data.sampling.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
 from torchtitan.logging_metrics import MetricLogger, Throughput, report_user_error, setup_logging

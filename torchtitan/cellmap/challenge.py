@@ -2,7 +2,7 @@
 
 Facts kept here, once (readers and writers import them):
 
-* ``csc fetch-data`` writes the layout the loader reads (``data/sources/cellmap.py``):
+* ``csc fetch-data`` writes the layout the loader reads (``data/crops/layout.py``):
   ``<dest>/<ds>/<ds>.zarr/recon-1/em/fibsem-uint8`` (OME-NGFF 0.4 levels ``s0 ..``; only
   the chunks around the requested crops, and only levels not finer than the crops' labels,
   hold data) and ``recon-1/labels/groundtruth/crop<N>/<class>/s0 ..`` (one group per class,

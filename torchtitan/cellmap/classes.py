@@ -4,7 +4,7 @@ The table follows the CellMap segmentation challenge's class list (its ``classes
 class has an id; a *composite* class is the union of *atomic* classes ("ids included"), e.g.
 ``mito = mito_mem + mito_lum + mito_ribo`` and ``cell`` = everything inside the plasma
 membrane, the membrane included. A crop may annotate a composite class directly (its own
-group) or only its parts; ``data/sampling/targets.py`` composes the target from the parts then.
+group) or only its parts; ``data/crops/reader.py`` composes the target from the parts then.
 
 Names not in the table are fine for one's own data as long as some crop annotates them;
 :func:`check_class_names` only rejects names that are neither (with a "did you mean").

@@ -66,8 +66,8 @@ import zarr
 from torchtitan.cellmap.grids import Grid
 from torchtitan.cellmap.labels import UNKNOWN, annotation_attrs, label_to_target
 from torchtitan.cellmap.ome_ngff import read_multiscales, write_multiscale_array_group
-from torchtitan.data.sources.cellmap import EM_GROUP as EM_PATH
-from torchtitan.data.sources.cellmap import GT_GROUP as GROUNDTRUTH_PATH
+from torchtitan.data.crops.layout import EM_GROUP as EM_PATH
+from torchtitan.data.crops.layout import GT_GROUP as GROUNDTRUTH_PATH
 from torchtitan.errors import UserError
 from torchtitan.demo.cells import make_scene, render_em
 from torchtitan.demo.scene import DEMO_CLASSES, NUM_ATOMS, Scene, atoms_to_class, render_atoms

@@ -34,11 +34,10 @@ import numpy as np
 import torch
 
 from torchtitan.cellmap.affinities import AffinitySpec, config_outputs
-
-from torchtitan.choices import EM_SCALE
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.prediction import exported
 from torchtitan.prediction.exported import ExportError
+from torchtitan.data.crops.reader import em_input_affine
 from torchtitan.export.trained_model import (
     Card,
     TrainedModel,
@@ -68,15 +67,14 @@ def spatial_axes(ndim: int) -> list[str]:
 
 
 def preprocessing(v, em_range: tuple[float, float] | None) -> list:
-    """The trainer's EM scaling (data/sources/cellmap.py ``em_to_uint8_scale``, then
-    data/sampling/samples.py ``normalize_em``) as bioimage.io operations."""
+    """The trainer's EM input (:func:`torchtitan.data.crops.reader.em_to_model_input` of the
+    stored EM) as bioimage.io operations: clipped to ``em_range`` (if any), then one linear
+    map."""
     ops = [v.EnsureDtypeDescr(kwargs=v.EnsureDtypeKwargs(dtype="float32"))]
-    if em_range is None:  # uint8 EM as stored: x / 127.5 - 1
-        gain, offset = 1 / EM_SCALE, -1.0
-    else:  # clip to [lo, hi], map onto 0..255, then as uint8
+    if em_range is not None:
         lo, hi = em_range
         ops.append(v.ClipDescr(kwargs=v.ClipKwargs(min=lo, max=hi)))
-        gain, offset = 2.0 / (hi - lo), -1.0 - 2.0 * lo / (hi - lo)
+    gain, offset = em_input_affine(em_range)
     ops.append(v.ScaleLinearDescr(kwargs=v.ScaleLinearKwargs(gain=gain, offset=offset)))
     ops.append(v.EnsureDtypeDescr(kwargs=v.EnsureDtypeKwargs(dtype="float32")))
     return ops

@@ -19,11 +19,11 @@ import tomli_w
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from torchtitan.cellmap.grids import closest_level
 from torchtitan.checkpoint.reading import STEP_RE, resolve_step_folder
 from torchtitan.config.parsing import config_to_dict
-from torchtitan.data.sources.cellmap import discover, em_to_uint8_scale, read_linear, set_em_ranges
-from torchtitan.data.sampling.samples import crop_grid, grid_shape, normalize_em
+from torchtitan.data.crops.layout import discover
+from torchtitan.data.crops.reader import (crop_grid, em_level, em_to_model_input, grid_shape,
+                                          read_linear, set_em_ranges)
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.prediction import exported
@@ -132,12 +132,12 @@ def test_sample(cfg) -> TestSample:
     window = grid_shape(cfg.model.crop_size)
     origin, shape = crop_grid(crop, voxel)
     start = _window_origin(origin, shape, window, voxel)
-    level = source.levels[closest_level(source.levels, voxel)]
+    level = em_level(source, voxel)
     raw, inside = read_linear(source.stores, level, start, voxel, window)
     if not inside.all():
         raise ExportError(f"the test window of {crop.full_name} leaves its EM volume; the crop "
                           "lies at the volume's edge: choose another with --data.val_crops")
-    image = normalize_em(em_to_uint8_scale(raw.copy(), source, level.path, inside))
+    image = em_to_model_input(raw.copy(), source, level.path, inside)
     squeeze = (lambda a: a[0]) if len(cfg.model.crop_size) == 2 else (lambda a: a)
     where = (f"{crop.full_name}, the centre window ({'x'.join(map(str, cfg.model.crop_size))} "
              f"voxels of {'x'.join(f'{v:g}' for v in voxel)} nm)")

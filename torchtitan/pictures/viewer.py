@@ -25,7 +25,7 @@ import numpy as np
 
 from torchtitan.cellmap.challenge import ALL_LABELS_GROUP
 from torchtitan.cellmap.errors import DatasetError
-from torchtitan.data.sources.cellmap import EM_GROUP, discover
+from torchtitan.data.crops.layout import EM_GROUP, discover
 from torchtitan.data.io.stores import StoreContext
 
 NEUROGLANCER = "https://neuroglancer-demo.appspot.com/"

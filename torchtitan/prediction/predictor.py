@@ -85,7 +85,6 @@ import torch.distributed as dist
 from torchtitan.cellmap.affinities import AffinitySpec, channel_name, from_stored, to_stored
 from torchtitan.postprocess.blockwise import postprocess_region
 from torchtitan.postprocess.blockwise_labels import Blocks
-from torchtitan.cellmap.grids import closest_level
 from torchtitan.cellmap.ome_ngff import (
     VIEW_CHUNKS,
     auto_pyramid_levels,
@@ -95,14 +94,8 @@ from torchtitan.cellmap.ome_ngff import (
 from torchtitan.checkpoint.reading import complete_steps, load_model_weights, resolve_step_folder
 from torchtitan.config.manager import ConfigManager
 from torchtitan.checkpoint.convert import load_pth_state_dict
-from torchtitan.data.sources.cellmap import (
-    DatasetError,
-    discover,
-    em_to_uint8_scale,
-    read_linear,
-    set_em_ranges,
-)
-from torchtitan.data.sampling.samples import normalize_em
+from torchtitan.data.crops.layout import DatasetError, discover
+from torchtitan.data.crops.reader import read_em, set_em_ranges
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import CheckpointError, ConfigError
 from torchtitan.inference.sliding_window import (
@@ -581,13 +574,11 @@ def region_reader(region: Region):
     """``read_input(lo, hi)`` of the region's EM on the model's grid, normalised as in
     training; zero outside the EM volume, as the sliding window pads."""
     v = region.voxel_size
-    level = region.source.levels[closest_level(region.source.levels, v)]
 
     def read_input(lo, hi):
         origin = region.origin + np.asarray(lo) * v
         shape = tuple(h - l for l, h in zip(lo, hi))
-        img, inside = read_linear(region.source.stores, level, origin, v, shape)
-        img = normalize_em(em_to_uint8_scale(img, region.source, level.path, inside))
+        img, inside = read_em(region.source, v, origin, shape)
         img[~inside] = 0.0
         return torch.from_numpy(img)[None]
 

@@ -33,8 +33,8 @@ import numpy as np
 
 from torchtitan.cellmap.challenge import ChallengeCrop, is_test_manifest, read_test_manifest
 from torchtitan.cellmap.grids import POSITION_TOL_NM, box_inside, centred_grid, extent_shape
-from torchtitan.data.sources.cellmap import DatasetError, EMSource
-from torchtitan.data.sampling.samples import crop_grid
+from torchtitan.data.crops.layout import DatasetError, EMSource
+from torchtitan.data.crops.reader import crop_grid
 from torchtitan.errors import ConfigError
 
 

@@ -46,7 +46,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.choices import same_voxel_size
 from torchtitan.cellmap.grids import Grid
 from torchtitan.cellmap.ome_ngff import VIEW_CHUNKS, read_attrs, read_multiscales
-from torchtitan.data.sources.cellmap import discover
+from torchtitan.data.crops.layout import discover
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
 from torchtitan.scoring.metrics import label_instances

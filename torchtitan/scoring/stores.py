@@ -82,7 +82,7 @@ from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import ScaleLevel
 from torchtitan.cellmap.labels import holds_instance_ids, label_to_ids, label_to_target
 from torchtitan.cellmap.ome_ngff import read_multiscales
-from torchtitan.data.sources import cellmap
+from torchtitan.data.crops import layout, reader
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.choices import PROBABILITY_THRESHOLD
 from torchtitan.errors import UserError
@@ -208,12 +208,12 @@ def resample_prediction(stores: StoreContext, level, name: str, origin, voxel_si
     """
     dtype = stores.open_array(level.path).dtype
     if dtype.kind in "iu":
-        nearest = cellmap.read_nearest(stores, level, origin, voxel_size, shape, fill=0)
+        nearest = reader.read_nearest(stores, level, origin, voxel_size, shape, fill=0)
         if dtype.itemsize > 1 or (nearest.size and nearest.max() > 1):
             return nearest if name in INSTANCE_CLASSES else nearest > 0
     elif dtype.kind not in "fb":
         raise SubmissionError(f"{level.path}: unsupported dtype {dtype}; use bool, integers or floats")
-    image, _ = cellmap.read_linear(stores, level, origin, voxel_size, shape, fill=0)
+    image, _ = reader.read_linear(stores, level, origin, voxel_size, shape, fill=0)
     return image > PROBABILITY_THRESHOLD
 
 
@@ -361,7 +361,7 @@ def combine_challenge_scores(crops: list[dict], version: str = DEFAULT_METRIC_VE
 
 def _truth_crops(stores: StoreContext, groundtruth) -> dict:
     out = {}
-    for source in cellmap.discover(stores, groundtruth):
+    for source in layout.discover(stores, groundtruth):
         for crop in source.crops:
             if crop.name in out:
                 raise SubmissionError(

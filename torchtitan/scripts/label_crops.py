@@ -11,20 +11,12 @@ import numpy as np
 
 from torchtitan.cellmap.grids import closest_level
 from torchtitan.cellmap.ome_ngff import read_multiscales
-from torchtitan.data.sources.cellmap import (
-    EM_GROUP,
-    GT_GROUP,
-    DatasetError,
-    EMSource,
-    LabelCrop,
-    discover,
-    read_crop,
-    read_linear,
-    read_nearest,
-)
-from torchtitan.data.sampling.samples import crop_grid
+from torchtitan.data.crops.layout import (EM_GROUP, GT_GROUP, DatasetError, EMSource, LabelCrop,
+                                          discover, read_crop)
+from torchtitan.data.crops.reader import read_linear, read_nearest
+from torchtitan.data.crops.reader import crop_grid
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.targets import annotates, read_target
+from torchtitan.data.crops.reader import annotates, read_target
 from torchtitan.scoring.stores import prediction_level
 from torchtitan.pictures.drawing import CLASS_COLORS
 

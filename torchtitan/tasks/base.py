@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from torchtitan.data.batch import Batch
+from torchtitan.data.sampling.batch import Batch
 
 
 @dataclass(frozen=True)

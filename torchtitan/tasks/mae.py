@@ -1,5 +1,5 @@
 """Masked-autoencoder pretraining on unlabeled EM: the EM of the run's volume source
-(``data/sources/volume_source.py``: the zarr stores of ``data.dataset_path``, or the EM images of a
+(``data/volume_source.py``: the zarr stores of ``data.dataset_path``, or the EM images of a
 slices dataset, 2D only).
 
 Validation tells whether the pretraining learns: the reconstruction loss of a fixed set of
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torchtitan.config.context_parallel import mae_problems
 from torchtitan.data.sampling.augment import Augmenter
 from torchtitan.errors import ConfigError
-from torchtitan.data.batch import Batch, collate
-from torchtitan.data.sources.volume_source import VolumeSource, build_source
+from torchtitan.data.sampling.batch import Batch, collate
+from torchtitan.data.volume_source import VolumeSource, build_source
 from torchtitan.models import MaskedAutoencoder, build_backbone, training_flops_per_sample
 from torchtitan.models.context import context_shard, local_part
 from torchtitan.models.mae import mae_loss_terms, patchify, unpatchify

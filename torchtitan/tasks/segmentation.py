@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.cellmap.affinities import AffinitySpec, output_channels, split_outputs
-from torchtitan.data.batch import Batch, CropVolume
-from torchtitan.data.sampling.samples import READ_ERRORS
-from torchtitan.data.sources.volume_source import VolumeSource, build_source
+from torchtitan.data.sampling.batch import Batch
+from torchtitan.data.volume_source import READ_ERRORS, CropVolume, VolumeSource, build_source
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 from torchtitan.inference.sliding_window import VolumePredictor
 from torchtitan.models import (

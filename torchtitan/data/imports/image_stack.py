@@ -3,7 +3,7 @@
 Most EM starts as a folder of 2D images, one per section, with a matching folder of label
 images whose pixel values stand for classes (191 = mitochondrion, 0-128 = membrane, ...).
 :func:`import_stack` turns such a stack into an ordinary dataset of the CellMap layout
-(``data/sources/cellmap.py``), so training, validation, ``predict.py`` and scoring read it like any
+(``data/crops/layout.py``), so training, validation, ``predict.py`` and scoring read it like any
 other:
 
     <out>/<name>/<name>.zarr/recon-1/em/fibsem-uint8/s0, s1, ...       (uint16 EM: fibsem-uint16)
@@ -54,7 +54,7 @@ from torchtitan.cellmap.ome_ngff import (
     write_multiscale_array_group,
     write_pyramid,
 )
-from torchtitan.data.sources.cellmap import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
+from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.data.imports.id_labels import IdLabels, check_id_options, check_id_volume, id_classes
 from torchtitan.data.imports.stack_labels import (
     ImageStackError,

@@ -1,4 +1,4 @@
 """Training samples and batches: ``samples`` and ``mae_samples`` (a sample per global index),
-``targets`` (binary targets and validity of the classes), ``augment`` (what is drawn per sample
-and applied on the host and the device) with ``resampling`` (the host's affine kernels), and
-``loader`` (the sampler and DataLoader of each rank)."""
+``augment`` (what is drawn per sample and applied on the host and the device) with
+``resampling`` (the host's affine kernels), ``batch`` (``Sample`` and ``Batch``, what the loader
+hands the trainer) and ``loader`` (the sampler and DataLoader of each rank)."""

@@ -331,7 +331,7 @@ def apply_intensity(image: torch.Tensor, intensity: torch.Tensor,
 @dataclass
 class DeviceAugmentation:
     """The part of one sample's augmentation left to the device: one unit on
-    :class:`~torchtitan.data.batch.Sample` (``augmentation``, shapes below) and, stacked
+    :class:`~torchtitan.data.sampling.batch.Sample` (``augmentation``, shapes below) and, stacked
     along a new first axis by :meth:`collate`, on the ``Batch``. A field is None when nothing
     of its kind was drawn; a sample with nothing left to the device carries None instead.
 

@@ -4,8 +4,8 @@ The loader is a plain ``torch.utils.data.DataLoader`` over a dataset indexed by 
 index, driven by :class:`GlobalBatchSampler`, which hands each data-parallel rank its slice of
 every global batch. Its only state is the next step, so resuming is exact for any number of
 worker processes: restart the sampler at the checkpointed step and the same samples follow.
-Items are :class:`~torchtitan.data.batch.Sample` objects, collated into a
-:class:`~torchtitan.data.batch.Batch` (``batch.collate``).
+Items are :class:`~torchtitan.data.sampling.batch.Sample` objects, collated into a
+:class:`~torchtitan.data.sampling.batch.Batch` (``batch.collate``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 
 from torch.utils.data import DataLoader, Sampler
 
-from torchtitan.data.batch import collate
+from torchtitan.data.sampling.batch import collate
 from torchtitan.data.io.stores import tensorstore_used
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 def build_loader(dataset, global_batch: int, dp_rank: int, dp_degree: int, start_step: int,
                  num_workers: int, pin_memory: bool = False,
                  multiprocessing_context: str | None = None) -> DataLoader:
-    """A DataLoader that yields this rank's :class:`~torchtitan.data.batch.Batch` of each
+    """A DataLoader that yields this rank's :class:`~torchtitan.data.sampling.batch.Batch` of each
     step ``start_step, start_step + 1, ...``.
 
     Samples depend only on their global index, so the loader can be rebuilt at any step and

@@ -14,13 +14,14 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from torchtitan.choices import EM_SCALE, VOXEL_RTOL
+from torchtitan.choices import VOXEL_RTOL
 from torchtitan.config.job_config import Augmentation
 from torchtitan.data.sampling.augment import nearest_from_geometry
-from torchtitan.data.batch import Sample
-from torchtitan.data.sources.cellmap import DatasetError, EMSource, LabelCrop
+from torchtitan.data.sampling.batch import Sample
+from torchtitan.data.crops.layout import DatasetError, EMSource, LabelCrop
 from torchtitan.cellmap.grids import grid_origin_snapped
-from torchtitan.data.sampling.samples import SampleArrays, SampleDataset, read_em, samples_kwargs
+from torchtitan.data.sampling.samples import SampleArrays, SampleDataset, samples_kwargs
+from torchtitan.data.crops.reader import model_input_of, model_input_to_uint8, read_em
 
 # Foreground filter: draws per sample before the best one is kept.
 FOREGROUND_DRAWS = 16
@@ -35,7 +36,7 @@ def foreground_fraction(image: np.ndarray) -> float:
     raw uint8 or normalised EM; padding outside the volume reads as zero."""
     if image.dtype == np.uint8:
         return float(np.mean(image > 0))
-    return float(np.mean(image > -1.0 + 0.5 / EM_SCALE))
+    return float(np.mean(image > model_input_of(0.5)))
 
 
 def best_draw(draw_once: Callable[[], T], fraction: Callable[[T], float],
@@ -60,7 +61,7 @@ def best_draw(draw_once: Callable[[], T], fraction: Callable[[T], float],
 class MAESamples(SampleDataset):
     """Random EM crops anywhere inside the EM volumes (no labels needed).
 
-    Item ``g``, a :class:`~torchtitan.data.batch.Sample`: ``image`` (1, *crop), ``valid``
+    Item ``g``, a :class:`~torchtitan.data.sampling.batch.Sample`: ``image`` (1, *crop), ``valid``
     (1, *crop) (0 where the crop leaves the volume: padding, excluded from the loss),
     ``index``, ``resampled``, with intensity augmentation or rotation and zoom on the device
     ``augmentation`` (see :class:`SegmentationSamples`), and with
@@ -143,7 +144,7 @@ class MAESamples(SampleDataset):
         if not box.in_buffer:
             return foreground_fraction(image)
         out_shape = box.valid.shape[1:]
-        raw = image if image.dtype == np.uint8 else np.rint((image + 1) * EM_SCALE)
+        raw = image if image.dtype == np.uint8 else np.rint(model_input_to_uint8(image))
         return float(np.mean(nearest_from_geometry((raw > 0).view(np.uint8),
                                                    box.augmentation.geometry.numpy(), out_shape)))
 

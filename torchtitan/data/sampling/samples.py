@@ -25,7 +25,7 @@ One sample is made in four steps:
 
 MAE samples (``mae_samples.py``) are made the same way, without labels.
 
-Items are :class:`~torchtitan.data.batch.Sample` objects, arrays (C, *spatial). While a
+Items are :class:`~torchtitan.data.sampling.batch.Sample` objects, arrays (C, *spatial). While a
 sample is made its arrays travel as a :class:`SampleArrays` (numpy, on the host).
 
 A sample whose read fails on a corrupt chunk is replaced by one drawn from the generator of
@@ -43,38 +43,22 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from torchtitan.choices import EM_SCALE, PLANES, same_voxel_size
-from torchtitan.config.job_config import Augmentation
 from torchtitan.cellmap.affinities import AffinitySpec
+from torchtitan.cellmap.classes import check_class_names
+from torchtitan.cellmap.errors import DatasetError
+from torchtitan.cellmap.grids import (ScaleLevel, extent_shape, grid_origin_snapped,
+                                      voxel_centres)
+from torchtitan.choices import PLANES, same_voxel_size
+from torchtitan.config.job_config import Augmentation
+from torchtitan.data.crops.layout import EMSource, LabelCrop
+from torchtitan.data.crops.reader import (READ_ERRORS, CropReader, annotates, em_level,
+                                          grid_shape, groups_to_read, has_ids, read_target,
+                                          unknown_value)
 from torchtitan.data.sampling.augment import (Augmenter, DeviceAugmentation, host_axis_map,
                                              identity_axes)
-from torchtitan.data.batch import Sample
-from torchtitan.data.sources.cellmap import (
-    ChunkReadError,
-    DatasetError,
-    EMSource,
-    LabelCrop,
-    em_to_uint8_scale,
-    read_linear,
-)
-from torchtitan.cellmap.classes import check_class_names
-from torchtitan.cellmap.grids import (ScaleLevel, centred_grid, closest_level, extent_shape,
-                                      grid_origin_snapped, voxel_centres)
-from torchtitan.data.sampling.targets import (
-    annotates,
-    compose_affinities,
-    compose_targets,
-    has_ids,
-    groups_to_read,
-    read_raw,
-    read_target,
-    unknown_value,
-)
+from torchtitan.data.sampling.batch import Sample
 
 logger = logging.getLogger(__name__)
-
-# Read failures that replace a sample instead of stopping the run.
-READ_ERRORS: tuple[type[BaseException], ...] = (ChunkReadError,)
 
 # Class-balanced sampling: each (crop, class) gets a foreground index on a grid this many
 # times coarser than the training grid, of at most FG_POINTS points; at most FG_CACHE of them
@@ -88,21 +72,6 @@ def sample_rng(seed: int, index: int, attempt: int = 0) -> np.random.Generator:
     its ``attempt``-th replacement when reading it failed)."""
     key = [int(seed), int(index)] + ([int(attempt)] if attempt else [])
     return np.random.default_rng(np.random.SeedSequence(key))
-
-
-def normalize_em(img: np.ndarray) -> np.ndarray:
-    """uint8 intensities to roughly zero mean, unit range (float32, one pass).
-    :meth:`torchtitan.data.batch.Batch.to` does the same on the device for samples
-    shipped as uint8, bit for bit."""
-    out = np.divide(img, np.float32(EM_SCALE), dtype=np.float32)
-    out -= np.float32(1.0)
-    return out
-
-
-def grid_shape(crop_size: list[int] | tuple[int, ...]) -> tuple[int, int, int]:
-    """The 3D (z, y, x) read shape of a model crop: 2D crops are one plane thick."""
-    crop_size = tuple(int(c) for c in crop_size)
-    return (1, *crop_size) if len(crop_size) == 2 else crop_size  # type: ignore[return-value]
 
 
 def plane_box(crop_size, normal: int) -> tuple[int, int, int]:
@@ -159,7 +128,7 @@ class SampleArrays:
     ``image`` is EM (interpolated linearly when rotated or zoomed); everything else is moved
     by nearest neighbour: ``valid`` (MAE: 1 inside the EM volume) and, for segmentation, the
     stored label values of each label group in ``labels`` (by group name; turned into
-    ``target`` and ``valid`` once moved, see :meth:`CropReader.compose`). With EM left to
+    ``target`` and ``valid`` once moved, see :meth:`SegmentationSamples._compose`). With EM left to
     the device to resample, ``augmentation`` says how to finish it (see ``augment.py``).
     """
 
@@ -180,72 +149,6 @@ class SampleArrays:
         """Whether ``image`` is still the box read around the sample, for the device to
         resample (the other arrays are on the sample's grid)."""
         return self.augmentation is not None and self.augmentation.geometry is not None
-
-
-def em_level(source: EMSource, voxel_size) -> ScaleLevel:
-    """The scale level of ``source`` that EM on the grid of ``voxel_size`` is read from."""
-    return source.levels[closest_level(source.levels, np.asarray(voxel_size, dtype=float))]
-
-
-def read_em(source: EMSource, voxel_size, origin, shape,
-            raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """EM of a box of the training grid and where it lies inside the volume: normalised
-    float32, or with ``raw`` the uint8 values (only exact when the grids coincide, see
-    ``SampleDataset._ships_raw_em``)."""
-    level = em_level(source, voxel_size)
-    img, inside = read_linear(source.stores, level, origin, np.asarray(voxel_size, dtype=float),
-                              shape)
-    img = em_to_uint8_scale(img, source, level.path, inside)
-    if raw:
-        if img.dtype != np.uint8:
-            img = np.clip(np.rint(img), 0, 255).astype(np.uint8)
-        return img, inside
-    return normalize_em(img), inside
-
-
-class CropReader:
-    """EM, targets and validity of boxes of the training grid in label crops: what a
-    segmentation sample reads, and what validation reads of a whole held-out crop (built
-    once by the task; no training dataset needed)."""
-
-    def __init__(self, sources: list[EMSource], classes: list[str], voxel_size,
-                 affinities: AffinitySpec | None = None):
-        self.by_name = {s.name: s for s in sources}
-        self.classes = list(classes)
-        self.voxel_size = np.asarray(voxel_size, dtype=float)
-        # Affinity targets after the classes' (training only; validation scores instances).
-        self.affinities = affinities if affinities is not None and len(affinities) else None
-
-    def read(self, crop: LabelCrop, origin, shape, raw_em: bool = False) -> SampleArrays:
-        """``image`` (1, *shape) (normalised float32, or uint8 with ``raw_em``), ``target``
-        and ``valid`` (K, *shape) (uint8 0/1) of one box of the training grid (3D arrays)."""
-        stored = self.read_stored(crop, groups_to_read(crop, self.classes), origin, shape, raw_em)
-        return self.compose(crop, stored, stored.image.shape[1:])
-
-    def read_stored(self, crop: LabelCrop, groups: list[str], origin, shape,
-                    raw_em: bool) -> SampleArrays:
-        """EM and the stored values of every label group the classes need ((1, *shape) each;
-        outside the crop they read as the group's unknown value)."""
-        image, _ = read_em(self.by_name[crop.dataset], self.voxel_size, origin, shape, raw=raw_em)
-        labels = {g: read_raw(crop, g, origin, self.voxel_size, shape)[None] for g in groups}
-        return SampleArrays(image[None], labels=labels)
-
-    def compose(self, crop: LabelCrop, box: SampleArrays, shape) -> SampleArrays:
-        """The box with its label values replaced by the targets and validity of the classes
-        (spatial ``shape``)."""
-        raw = {g: a[0] for g, a in box.labels.items()}
-        augmentation = box.augmentation
-        if self.affinities is not None and augmentation is not None \
-                and augmentation.label_axes is not None:
-            # Label flips left to the device would move a voxel's affinity onto the wrong pair:
-            # the label values are moved here, and the device's map is the identity.
-            raw = {g: host_axis_map(a, augmentation.label_axes.numpy()) for g, a in raw.items()}
-            augmentation = replace(augmentation, label_axes=identity_axes(len(shape)))
-        target, valid = compose_targets(crop, self.classes, raw, shape)
-        if self.affinities is not None:
-            at, av = compose_affinities(crop, self.affinities, raw, shape)
-            target, valid = np.concatenate([target, at]), np.concatenate([valid, av])
-        return SampleArrays(box.image, valid, target, {}, augmentation)
 
 
 class SampleDataset(Dataset):
@@ -379,7 +282,7 @@ class SampleDataset(Dataset):
 class SegmentationSamples(SampleDataset):
     """Random crops of EM with aligned binary targets and per-class validity masks.
 
-    Item ``g`` is a :class:`~torchtitan.data.batch.Sample`: ``image`` (1, *crop)
+    Item ``g`` is a :class:`~torchtitan.data.sampling.batch.Sample`: ``image`` (1, *crop)
     (float32, or raw uint8 when ``em_uint8``), ``target`` and ``valid`` (K, *crop) uint8,
     ``index`` (the global sample index) and ``resampled`` (replacements after read errors);
     with intensity augmentation or rotation and zoom made on the device also
@@ -514,12 +417,29 @@ class SegmentationSamples(SampleDataset):
         # targets are then written once, contiguously, from the moved (strided) values.
         groups = groups_to_read(crop, self.classes)
         fills = {g: unknown_value(crop, g) for g in groups}
-        box, plan, vox = self._geometry(
-            rng, level, origin, normal,
-            lambda o, s: self.reader.read_stored(crop, groups, o, s, self.em_uint8), fills)
+        box, plan, vox = self._geometry(rng, level, origin, normal,
+                                        lambda o, s: self._read(crop, groups, o, s), fills)
         # An image still to be resampled on the device comes in a larger buffer.
         shape = self.crop_size if box.in_buffer else box.image.shape[1:]
-        return self._finish(self.reader.compose(crop, box, shape), plan, vox, rng)
+        return self._finish(self._compose(crop, box, shape), plan, vox, rng)
+
+    def _read(self, crop: LabelCrop, groups: list[str], origin, shape) -> SampleArrays:
+        image, labels = self.reader.read_stored(crop, groups, origin, shape, self.em_uint8)
+        return SampleArrays(image, labels=labels)
+
+    def _compose(self, crop: LabelCrop, box: SampleArrays, shape) -> SampleArrays:
+        """The moved box with its label values replaced by the targets and validity of the
+        classes (and affinities), on spatial ``shape``."""
+        labels, augmentation = box.labels, box.augmentation
+        if self.reader.affinities is not None and augmentation is not None \
+                and augmentation.label_axes is not None:
+            # Label flips left to the device would move a voxel's affinity onto the wrong pair:
+            # the label values are moved here, and the device's map is the identity.
+            axes = augmentation.label_axes.numpy()
+            labels = {g: host_axis_map(a[0], axes)[None] for g, a in labels.items()}
+            augmentation = replace(augmentation, label_axes=identity_axes(len(shape)))
+        target, valid = self.reader.compose(crop, labels, shape)
+        return SampleArrays(box.image, valid, target, {}, augmentation)
 
 
 def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
@@ -539,11 +459,6 @@ def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
     else:
         raise ValueError(f"kind must be 'segmentation' or 'mae', got {kind!r}")
     return kwargs
-
-
-def crop_grid(crop: LabelCrop, voxel_size) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Origin (nm) and shape of the training grid that covers a whole label crop."""
-    return centred_grid(crop.box_min, crop.box_max, voxel_size, cover=False)
 
 
 def build_segmentation_samples(cfg, sources, train_crops) -> SegmentationSamples:

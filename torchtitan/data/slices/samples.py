@@ -14,7 +14,7 @@ the planes ``data.planes`` allows.
 
 Validation needs no zarr either: the slices of a held-out crop along one axis are the planes
 of its whole grid, so stacking them (:class:`SliceReader`) gives back the volume that
-validation on the zarr stores reads (``crop_grid`` + ``samples.CropReader.read``), and
+validation on the zarr stores reads (``crop_grid`` + ``crops.reader.CropReader.read``), and
 the held-out crops are predicted and scored the same way (``volume_source.py``).
 """
 
@@ -31,13 +31,14 @@ from torchtitan.choices import same_voxel_size
 from torchtitan.config.job_config import Augmentation
 from torchtitan.data.slices import original as slices_original
 from torchtitan.data.sampling.augment import Augmenter, apply_flips, read_shape, resample_matrix
-from torchtitan.data.batch import Sample
+from torchtitan.data.sampling.batch import Sample
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.data.sources.crops import split_crops
+from torchtitan.data.crops.selection import split_crops
 from torchtitan.data.sampling.mae_samples import best_draw, foreground_fraction
 from torchtitan.data.sampling.resampling import resample
-from torchtitan.data.sampling.samples import SampleArrays, normalize_em, sample_rng
+from torchtitan.data.crops.reader import CropArrays, em_to_model_input
+from torchtitan.data.sampling.samples import sample_rng
 from torchtitan.data.slices.index import (
     OURS,
     MaskColumns,
@@ -143,10 +144,10 @@ class SliceReader:
             images.append(image)
             targets.append(target)
             valids.append(valid)
-        return {"image": normalize_em(np.stack(images)[:, None]), "target": np.stack(targets),
+        return {"image": em_to_model_input(np.stack(images)[:, None]), "target": np.stack(targets),
                 "valid": np.stack(valids)}
 
-    def read(self, crop: SliceCrop, shape) -> SampleArrays:
+    def read(self, crop: SliceCrop, shape) -> CropArrays:
         """A whole crop on its grid, stacked from its slices: ``image`` (1, D, H, W) and
         ``target`` / ``valid`` (K, D, H, W) float32, as ``CropReader.read`` gives for
         ``crop_grid(crop)``; ``shape`` must be the crop's."""
@@ -159,7 +160,7 @@ class SliceReader:
         arrays = self.arrays(rows)  # (N, C, a, b): planes first
         image, target, valid = (np.moveaxis(arrays[k], 0, 1 + ax).astype(np.float32)
                                 for k in ("image", "target", "valid"))
-        return SampleArrays(image, valid, target)
+        return CropArrays(image, target, valid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class SliceSamples(Dataset):
     """Random 2D crops of the slices of the training crops, with binary targets and
     per-class validity masks: the item contract of ``SegmentationSamples``.
 
-    Item ``g`` is a :class:`~torchtitan.data.batch.Sample`: ``image`` (1, H, W),
+    Item ``g`` is a :class:`~torchtitan.data.sampling.batch.Sample`: ``image`` (1, H, W),
     ``target`` and ``valid`` (K, H, W) float32, ``index`` (the global sample index) and
     ``resampled`` (always 0: nothing here fails to read). A window is placed uniformly inside
     the slice; along an axis where the slice is smaller it is centred, and the padding is invalid for every class (EM reads 0 there, as
@@ -261,7 +262,7 @@ class SliceMAESamples(Dataset):
 
     def _draw_once(self, rng: np.random.Generator):
         row = int(self.rows[int(rng.integers(len(self.rows)))])
-        image = normalize_em(gray_image(self.images[row]["image"])[None])
+        image = em_to_model_input(gray_image(self.images[row]["image"])[None])
         start = _place(rng, image.shape[-2:], self.crop_size)
         vox = self._plane_voxel_size(row)
         plan = self.augmenter.draw(rng, self.crop_size, vox)

@@ -1,4 +1,5 @@
-"""CellMap / OME-NGFF layout discovery and reading in world (nanometre) coordinates.
+"""Where the data lies: CellMap / OME-NGFF datasets, their EM levels and label crops, found in a
+folder or named by a split list, in world (nanometre) coordinates.
 
 The CellMap challenge stores every dataset as a zarr store:
 
@@ -7,36 +8,23 @@ The CellMap challenge stores every dataset as a zarr store:
 
 Each multiscale group carries OME-NGFF ``multiscales`` metadata (0.4 in zarr format 2, or 0.5
 under the ``ome`` key of a zarr format 3 ``zarr.json``): per level a ``scale`` (nm per voxel)
-and a ``translation`` (nm position of the *centre* of voxel 0). Label crops sit
-anywhere inside the EM volume and may use a finer or coarser grid than the EM. Everything
-here therefore works in world coordinates and converts to voxel indices only when reading.
-The metadata is read by ``torchtitan.cellmap.ome_ngff``, grids and levels are
-``torchtitan.cellmap.grids``, and what label values mean is ``torchtitan.cellmap.labels``.
-
-A "training grid" is described by an origin (world position of the corner of the first
-voxel, nm) plus a voxel size and a shape; voxel ``i`` has its centre at
-``origin + (i + 0.5) * voxel_size``.
-
-EM intensities: uint8 EM is used as stored. Other EM (uint16, float, ...) is mapped linearly
-onto the uint8 scale (then normalised like uint8) from an intensity range: ``data.em_range``
-if set, else the range stored with the EM group (OME-NGFF ``omero.channels[0].window``:
-``start``/``end``, else ``min``/``max``), else for integer EM its dtype's range (logged once).
-Float EM without either is a DatasetError. Values outside the range are clipped, with one
-warning per dataset; NaN in EM is a DatasetError naming the array (checked on a small box of
-each volume at startup and on every sample read).
+and a ``translation`` (nm position of the *centre* of voxel 0). Label crops sit anywhere
+inside the EM volume and may use a finer or coarser grid than the EM, so everything here is
+in world coordinates; ``reader.py`` converts to voxel indices when it reads. The metadata is
+read by ``torchtitan.cellmap.ome_ngff``, grids and levels are ``torchtitan.cellmap.grids``,
+and what label values mean is ``torchtitan.cellmap.labels``.
 
 ``data.dataset_path`` is either a folder in the layout above or a split list (CSV or TOML)
 naming EM volumes and crops one by one, each crop marked train or val (``split_lists.py``).
 Folders and the paths in split lists may be URLs (``s3://``, ``gs://``, ``http(s)://``):
-locations are strings handled by ``stores.py``. Everything here that reads takes the
+locations are strings handled by ``io/stores.py``. Discovery takes the
 :class:`~torchtitan.data.io.stores.StoreContext` to read through (it lists remote folders,
 from an index file, reads metadata and keeps the open arrays), and the datasets and crops
-found keep the context they were discovered with, for every later read.
+found keep it for every later read.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,14 +33,9 @@ import numpy as np
 
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.choices import VOXEL_RTOL
-from torchtitan.cellmap.grids import AXES, ScaleLevel, box_inside, voxel_positions
+from torchtitan.cellmap.grids import AXES, ScaleLevel, box_inside
 from torchtitan.cellmap.labels import DEFAULT_ENCODING, LabelEncoding
-from torchtitan.cellmap.ome_ngff import (
-    is_multiscale_group,
-    read_attrs,
-    read_multiscales,
-    stored_intensity_range,
-)
+from torchtitan.cellmap.ome_ngff import is_multiscale_group, read_attrs, read_multiscales
 from torchtitan.data.io.stores import (
     StoreContext,
     check_location,
@@ -61,34 +44,11 @@ from torchtitan.data.io.stores import (
     name_of,
     parent_of,
 )
-from torchtitan.data.sources.split_lists import SplitEntry, read_split_entries
+from torchtitan.data.crops.split_lists import SplitEntry, read_split_entries
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
 EM_GROUP_UINT16 = "recon-1/em/fibsem-uint16"  # used when a store has no uint8 EM
-logger = logging.getLogger(__name__)
 GT_GROUP = "recon-1/labels/groundtruth"
-
-
-class ChunkReadError(DatasetError):
-    """A chunk of a zarr array could not be read or decoded (corrupt or truncated file).
-
-    Raised by the region reader with the array path and the index region; the sample builder
-    catches it and draws another sample instead of stopping the run.
-    """
-
-    def __init__(self, array_path: str, lo=None, hi=None, cause: BaseException | None = None):
-        if lo is None:  # rebuilt from its message alone (unpickling, DataLoader workers)
-            self.array_path, self.region = "", None
-            super().__init__(array_path)
-            return
-        self.array_path = str(array_path)
-        self.region = (tuple(int(v) for v in lo), tuple(int(v) for v in hi))
-        region = ", ".join(f"{a}:{b}" for a, b in zip(*self.region))
-        super().__init__(
-            f"cannot read zarr array {self.array_path} at voxel region [{region}] (z, y, x): "
-            f"{type(cause).__name__ if cause else 'error'}: {cause}. A chunk file there is "
-            "probably corrupt or truncated; re-copy or re-write that array"
-        )
 
 
 @dataclass
@@ -118,15 +78,19 @@ class LabelCrop:
         """The label encoding of one class group of the crop."""
         return self.encoding.get(group, DEFAULT_ENCODING)
 
-    @property
-    def box_min(self) -> np.ndarray:
-        lo = np.min([lv[0].box_min for lv in self.classes.values()], axis=0)
-        return lo if self.bounds is None else np.maximum(lo, self.bounds[0])
+    # The box the crop's labels span, (min, max) corners in nm: the union of its classes'
+    # finest levels, within ``bounds``. Set once (read-only arrays); ``replace`` sets it again.
+    box_min: np.ndarray = field(init=False, repr=False, compare=False)
+    box_max: np.ndarray = field(init=False, repr=False, compare=False)
 
-    @property
-    def box_max(self) -> np.ndarray:
+    def __post_init__(self):
+        lo = np.min([lv[0].box_min for lv in self.classes.values()], axis=0)
         hi = np.max([lv[0].box_max for lv in self.classes.values()], axis=0)
-        return hi if self.bounds is None else np.minimum(hi, self.bounds[1])
+        if self.bounds is not None:
+            lo, hi = np.maximum(lo, self.bounds[0]), np.minimum(hi, self.bounds[1])
+        lo.setflags(write=False)
+        hi.setflags(write=False)
+        self.box_min, self.box_max = lo, hi
 
 
 def label_slab(crop: LabelCrop, fraction: float, voxel_size) -> LabelCrop:
@@ -349,187 +313,3 @@ def check_voxel_size(source: EMSource, voxel_size) -> None:
             f"a data.voxel_size within {MAX_RESAMPLE_FACTOR:g}x of an available level on "
             "every axis"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a box of the training grid
-# ---------------------------------------------------------------------------------------------
-
-def _read_region(stores: StoreContext, level: ScaleLevel, lo: list[int], hi: list[int],
-                 fill) -> np.ndarray:
-    """Read index box [lo, hi) of a level through ``stores``; parts outside the array are
-    ``fill``.
-
-    A chunk missing on disk reads as the array's fill value (zarr's sparse storage; for EM
-    the fill value is usually 0 = background). A chunk that exists but cannot be decoded
-    raises :class:`ChunkReadError`, which the sample builders catch to draw another sample.
-    """
-    try:
-        arr = stores.open_array(level.path)
-    except DatasetError as e:
-        if not is_url(level.path):
-            raise
-        raise ChunkReadError(level.path, list(lo), list(hi), e) from e  # the network, mid-run
-    if all(0 <= l and h <= n for l, h, n in zip(lo, hi, level.shape)):  # inside: no padding
-        src = tuple(slice(l, h) for l, h in zip(lo, hi))
-        try:
-            return np.asarray(arr[src])
-        except Exception as e:  # noqa: BLE001 - codec errors have no common type across codecs
-            raise ChunkReadError(level.path, list(lo), list(hi), e) from e
-    out = np.full([h - l for l, h in zip(lo, hi)], fill, dtype=arr.dtype)
-    src, dst = [], []
-    for ax in range(3):
-        a, b = max(lo[ax], 0), min(hi[ax], level.shape[ax])
-        if a >= b:
-            return out
-        src.append(slice(a, b))
-        dst.append(slice(a - lo[ax], b - lo[ax]))
-    try:
-        data = arr[tuple(src)]
-    except Exception as e:  # noqa: BLE001 - codec errors have no common type across codecs
-        raise ChunkReadError(level.path, [s.start for s in src], [s.stop for s in src], e) from e
-    out[tuple(dst)] = data
-    return out
-
-
-def read_nearest(stores: StoreContext, level: ScaleLevel, origin, voxel_size, shape,
-                 fill) -> np.ndarray:
-    """Sample ``level`` at the training grid by nearest neighbour (labels), read through
-    ``stores``."""
-    pos = voxel_positions(level, origin, voxel_size, shape)
-    # Indices outside the array read the fill value; clipped to one voxel beyond each side, so
-    # that a grid far larger than the array (e.g. a voxel size in um, not nm) reads no more.
-    idx = [np.clip(np.floor(p + 0.5).astype(np.int64), -1, n) for p, n in zip(pos, level.shape)]
-    lo = [int(i.min()) for i in idx]
-    hi = [int(i.max()) + 1 for i in idx]
-    region = _read_region(stores, level, lo, hi, fill)
-    if all(_consecutive(i) for i in idx):  # the grids coincide: the region is the answer
-        return region
-    local = [i - l for i, l in zip(idx, lo)]
-    return region[np.ix_(*local)]
-
-
-def _consecutive(idx: np.ndarray) -> bool:
-    """Whether integer indices are ``a, a + 1, a + 2, ...``."""
-    return len(idx) < 2 or bool(np.all(np.diff(idx) == 1))
-
-
-def read_linear(stores: StoreContext, level: ScaleLevel, origin, voxel_size, shape,
-                fill=0) -> tuple[np.ndarray, np.ndarray]:
-    """Sample ``level`` at the training grid by separable linear interpolation (EM), read
-    through ``stores``.
-
-    Returns the image and a boolean mask of the voxels that lie inside the array. When the
-    grids coincide (the usual case: the EM level matches the training voxel size and the
-    sample origin is snapped to it) this is a plain slice in the array's own dtype (uint8 for
-    EM); otherwise the interpolated image is float32.
-    """
-    pos = voxel_positions(level, origin, voxel_size, shape)
-    inside = [(p > -0.5) & (p < level.shape[ax] - 0.5) for ax, p in enumerate(pos)]
-    valid = inside[0][:, None, None] & inside[1][None, :, None] & inside[2][None, None, :]
-    i0 = [np.floor(p).astype(np.int64) for p in pos]
-    w = [(p - i).astype(np.float32) for p, i in zip(pos, i0)]
-    exact = [bool(np.all(wa == 0)) for wa in w]
-    # Both neighbours of a position outside the array read the fill value: clipped to two
-    # voxels beyond each side (see read_nearest).
-    i0 = [np.clip(i, -2, n) for i, n in zip(i0, level.shape)]
-    lo = [int(i.min()) for i in i0]
-    # An axis without interpolation needs no extra voxel (which could cost a whole chunk).
-    hi = [int(i.max()) + (1 if e else 2) for i, e in zip(i0, exact)]
-    region = _read_region(stores, level, lo, hi, fill)
-    if all(exact) and all(_consecutive(i) for i in i0):
-        return region, valid
-    img = region.astype(np.float32)
-    for ax in range(3):
-        a = i0[ax] - lo[ax]
-        if exact[ax]:
-            img = np.take(img, a, axis=ax)
-            continue
-        bshape = [1, 1, 1]
-        bshape[ax] = -1
-        wa = w[ax].reshape(bshape)
-        img = np.take(img, a, axis=ax) * (1 - wa) + np.take(img, a + 1, axis=ax) * wa
-    return img, valid
-
-
-# ---------------------------------------------------------------------------------------------
-# EM intensities: uint8 as stored, anything else mapped onto the uint8 scale from a range
-# ---------------------------------------------------------------------------------------------
-
-_WARNED_OUT_OF_RANGE: set[str] = set()  # datasets already warned about clipped EM values
-NAN_CHECK_BOX = 32  # voxels per axis of the box each EM volume is checked for NaN at startup
-
-
-def resolve_em_range(source: EMSource, configured) -> tuple[float, float] | None:
-    """The range that maps ``source``'s EM onto 0..255, or None for uint8 EM used as stored."""
-    level0 = source.levels[0]
-    dtype = np.dtype(source.stores.open_array(level0.path).dtype)
-    if configured:
-        return float(configured[0]), float(configured[1])
-    if dtype == np.uint8:
-        return None
-    if dtype.kind not in "iuf":
-        raise DatasetError(f"EM array {level0.path} has dtype {dtype}; expected uint8, another "
-                           "integer type or float")
-    group = parent_of(level0.path)
-    stored = stored_intensity_range(group, source.stores.read_json)
-    if stored is not None:
-        logger.info("%s: %s EM mapped from its stored range [%g, %g] (omero window) to 0..255",
-                    source.name, dtype, *stored)
-        return stored
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        logger.warning("%s: %s EM has no stored intensity range (OME-NGFF omero window); "
-                       "normalising from the dtype's range [%d, %d]; set data.em_range = "
-                       "[min, max] to use the data's own range", source.name, dtype,
-                       info.min, info.max)
-        return float(info.min), float(info.max)
-    raise DatasetError(
-        f"EM array {level0.path} is {dtype} and its group stores no intensity range (OME-NGFF "
-        "'omero' channels[0].window); set data.em_range = [min, max] to the values that should "
-        "map to black and white"
-    )
-
-
-def check_em_finite(img: np.ndarray, array_path: str) -> None:
-    """Raise a DatasetError when float EM read from ``array_path`` holds NaN (or inf)."""
-    if img.dtype.kind == "f" and not np.all(np.isfinite(img)):
-        bad = int(np.count_nonzero(~np.isfinite(img)))
-        raise DatasetError(
-            f"EM array {array_path} holds NaN or inf ({bad} of {img.size} voxels of one read); "
-            "replace them (e.g. by the background value) in the store before training"
-        )
-
-
-def set_em_ranges(sources: list[EMSource], configured) -> None:
-    """Resolve each source's EM range (``configured`` = data.em_range, may be empty) and check
-    a small central box of each non-uint8 volume for NaN, before any process group exists."""
-    for source in sources:
-        source.em_range = resolve_em_range(source, configured)
-        level0 = source.levels[0]
-        if np.dtype(source.stores.open_array(level0.path).dtype).kind != "f":
-            continue
-        lo = [max(0, (n - NAN_CHECK_BOX) // 2) for n in level0.shape]
-        hi = [min(n, a + NAN_CHECK_BOX) for n, a in zip(level0.shape, lo)]
-        check_em_finite(_read_region(source.stores, level0, lo, hi, 0), level0.path)
-
-
-def em_to_uint8_scale(img: np.ndarray, source: EMSource, array_path: str,
-                      inside: np.ndarray | None = None) -> np.ndarray:
-    """EM as read from ``array_path`` on the uint8 scale (float32 0..255, or the uint8 read
-    itself when the source has no range). Values outside the range are clipped, with one
-    warning per dataset; NaN is a DatasetError."""
-    check_em_finite(img, array_path)
-    if source.em_range is None:
-        return img
-    lo, hi = source.em_range
-    out = (img.astype(np.float32) - np.float32(lo)) * np.float32(255.0 / (hi - lo))
-    checked = out if inside is None else out[inside]
-    if checked.size and (checked.min() < -0.5 or checked.max() > 255.5):
-        if source.name not in _WARNED_OUT_OF_RANGE:
-            _WARNED_OUT_OF_RANGE.add(source.name)
-            logger.warning("%s: EM values of %s lie outside the intensity range [%g, %g] and are "
-                           "clipped (set data.em_range to widen it; warned once per dataset)",
-                           source.name, array_path, lo, hi)
-    np.clip(out, 0.0, 255.0, out=out)
-    return out

@@ -9,19 +9,10 @@ import logging
 import numpy as np
 
 from torchtitan.cellmap.classes import check_class_names
+from torchtitan.data.crops.layout import (DatasetError, EMSource, LabelCrop, check_crop_inside,
+                                          check_voxel_size, discover, label_slab)
+from torchtitan.data.crops.reader import annotates, grid_shape, set_em_ranges
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.sampling.samples import grid_shape
-from torchtitan.data.sampling.targets import annotates
-from torchtitan.data.sources.cellmap import (
-    DatasetError,
-    EMSource,
-    LabelCrop,
-    check_crop_inside,
-    check_voxel_size,
-    discover,
-    label_slab,
-    set_em_ranges,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The typed hand-offs of the data pipeline: one :class:`Sample` per global index, a
-:class:`Batch` after collation, and a whole validation crop as one :class:`CropVolume`.
+"""The typed hand-offs of training data: one :class:`Sample` per global index and a
+:class:`Batch` after collation (a whole validation crop is a
+:class:`~torchtitan.data.volume_source.CropVolume`).
 
 Shapes: a sample's arrays are (C, *spatial), a batch's (B, C, *spatial), with *spatial
 (H, W) in 2D and (D, H, W) in 3D. ``image`` has one channel per EM channel, ``target`` and
@@ -18,13 +19,12 @@ made model inputs in two steps::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
-import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from torchtitan.choices import EM_SCALE
+from torchtitan.data.crops.reader import em_to_model_input
 from torchtitan.data.sampling.augment import DeviceAugmentation
 
 
@@ -68,7 +68,7 @@ class Batch:
 
     def to(self, device) -> "Batch":
         """The batch on ``device`` as model inputs: raw uint8 EM normalised there exactly as
-        ``samples.normalize_em`` does on the host, uint8 / bool masks made float32. The
+        ``crops.reader.em_to_model_input`` does on the host, uint8 / bool masks made float32. The
         bookkeeping and the ``augmentation`` payload stay on the host: the device step reads
         them there, so that reading them costs no device sync."""
 
@@ -78,9 +78,7 @@ class Batch:
 
         out = self._map(move, ("target", "valid", "noise"))
         image = self.image.to(device, non_blocking=True)
-        if image.dtype == torch.uint8:
-            image = image.float().div_(EM_SCALE).sub_(1.0)
-        out.image = image
+        out.image = em_to_model_input(image) if image.dtype == torch.uint8 else image
         return out
 
 
@@ -101,26 +99,3 @@ def collate(samples: list[Sample]) -> Batch:
         else:
             out[f.name] = default_collate(values)  # ints become an int64 tensor (B,)
     return Batch(**out)
-
-
-@dataclass
-class CropVolume:
-    """One whole label crop on the training grid, as a volume source reads it
-    (``volume_source.py``) and validation predicts and scores it."""
-
-    image: torch.Tensor  # (C, D, H, W) float32 EM, normalised
-    target: torch.Tensor  # (K, D, H, W) bool: present, per class
-    valid: torch.Tensor  # (K, D, H, W) bool: annotated and not unknown, per class
-    origin: np.ndarray  # nm, corner of voxel 0 of the grid
-    voxel_size: tuple[float, ...]  # nm, the grid's spacing (data.voxel_size)
-    classes: list[str]  # the class of each channel of target and valid (data.classes)
-    annotated: list[str]  # the classes the crop annotates (the only ones scored)
-    name: str  # the crop's full name (dataset/crop), as logs and pictures show it
-    # Instance classes stored with object ids, scored against those ids (touching instances
-    # stay apart), as the scoring command does: class name -> (D, H, W) ids.
-    instance_ids: dict[str, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.image.shape[1:])
-

@@ -1,6 +1,6 @@
 """Where the volumes come from, as one type: a :class:`VolumeSource` gives a task its training
 samples (segmentation or MAE), its validation crops and each crop's whole volume on the training
-grid (:meth:`VolumeSource.read_volume`, one :class:`~torchtitan.data.batch.CropVolume`).
+grid (:meth:`VolumeSource.read_volume`, one :class:`CropVolume`).
 
 One implementation per kind of source, chosen in one place (:func:`build_source`):
 
@@ -15,6 +15,7 @@ A task takes a source and never asks which kind it is.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -23,11 +24,12 @@ from torch.utils.data import Dataset
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.cellmap.errors import DatasetError
-from torchtitan.data.batch import CropVolume
+from torchtitan.data.crops.reader import (READ_ERRORS, CropArrays, CropReader, annotates,
+                                          crop_grid, read_instance_ids)
+from torchtitan.data.crops.selection import (held_out_crops, load_em_sources,
+                                             load_segmentation_data)
 from torchtitan.data.sampling.mae_samples import build_mae_samples
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.sources.crops import held_out_crops, load_em_sources, load_segmentation_data
-from torchtitan.data.sampling.samples import CropReader, SampleArrays, crop_grid
 from torchtitan.data.slices.samples import (
     SliceReader,
     build_slice_mae_samples,
@@ -35,9 +37,32 @@ from torchtitan.data.slices.samples import (
     load_mae_slices,
     load_slice_data,
 )
-from torchtitan.data.sampling.targets import annotates, read_instance_ids
+
+__all__ = ["READ_ERRORS", "CropVolume", "VolumeSource", "build_source"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CropVolume:
+    """One whole label crop on the training grid, as a volume source reads it and validation
+    predicts and scores it."""
+
+    image: torch.Tensor  # (C, D, H, W) float32 EM, normalised
+    target: torch.Tensor  # (K, D, H, W) bool: present, per class
+    valid: torch.Tensor  # (K, D, H, W) bool: annotated and not unknown, per class
+    origin: np.ndarray  # nm, corner of voxel 0 of the grid
+    voxel_size: tuple[float, ...]  # nm, the grid's spacing (data.voxel_size)
+    classes: list[str]  # the class of each channel of target and valid (data.classes)
+    annotated: list[str]  # the classes the crop annotates (the only ones scored)
+    name: str  # the crop's full name (dataset/crop), as logs and pictures show it
+    # Instance classes stored with object ids, scored against those ids (touching instances
+    # stay apart), as the scoring command does: class name -> (D, H, W) ids.
+    instance_ids: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.image.shape[1:])
 
 
 class VolumeSource(Protocol):
@@ -62,7 +87,7 @@ class VolumeSource(Protocol):
         """The whole crop on :meth:`grid`: EM, targets, validity and instance ids."""
 
 
-def _volume(cfg, crop, origin, arrays: SampleArrays, instance_ids: dict) -> CropVolume:
+def _volume(cfg, crop, origin, arrays: CropArrays, instance_ids: dict) -> CropVolume:
     classes = list(cfg.data.classes)
     return CropVolume(
         torch.from_numpy(arrays.image), torch.from_numpy(arrays.target > 0),
