@@ -220,11 +220,12 @@ def augment_summary(cfg, samples=None) -> str:
 
 def build_ours(cfg):
     """The training samples, exactly as the segmentation task makes them."""
+    from torchtitan.data.crops.selection import DataSettings, load_segmentation_data
     from torchtitan.data.sampling.samples import build_segmentation_samples
-    from torchtitan.data.crops.selection import load_segmentation_data
 
-    sources, train, _ = load_segmentation_data(cfg)
-    return build_segmentation_samples(cfg, sources, train)
+    settings = DataSettings.from_config(cfg)
+    sources, train, _ = load_segmentation_data(settings)
+    return build_segmentation_samples(settings, sources, train)
 
 
 def our_loader(cfg, samples, start_step: int = 0):

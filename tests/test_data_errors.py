@@ -24,6 +24,7 @@ from torchtitan.data.sampling.samples import build_segmentation_samples
 from torchtitan.data.crops.selection import load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext, StoreSettings
 from torchtitan.data.io.zarr_chunks import ChunkedArray
+from torchtitan.data.crops.selection import DataSettings
 
 EM = "recon-1/em/fibsem-uint8"
 GT = "recon-1/labels/groundtruth"
@@ -121,7 +122,7 @@ def test_crop_outside_its_em_volume(tmp_path):
     store = write_store(tmp_path, crops={"crop1": ((4, 4, 4), {"mito": 0.3, "nuc": 0.3}),
                                          "crop2": ((20, 0, 0), {"mito": 0.3})})
     with pytest.raises(DatasetError) as e:
-        load_segmentation_data(seg_cfg(tmp_path))
+        load_segmentation_data(DataSettings.from_config(seg_cfg(tmp_path)))
     msg = str(e.value)
     assert str(store) in msg and "crop2" in msg and "outside its EM volume" in msg
     assert str(store / GT / "crop2" / "mito" / "s0") in msg and "translation" in msg
@@ -160,9 +161,11 @@ def test_voxel_size_no_level_can_serve(anisotropic, voxel_size, what, axes):
 
 def test_voxel_size_is_checked_when_loading(tmp_path, demo_data):
     # The demo trains jrc_synth-2 (16 x 8 x 8 nm) at 8 nm isotropic: allowed.
-    assert len(load_em_sources(seg_cfg(demo_data, "--data.voxel_size", "8,8,8"))) == 2
+    assert len(load_em_sources(
+        DataSettings.from_config(seg_cfg(demo_data, "--data.voxel_size", "8,8,8")))) == 2
     with pytest.raises(DatasetError, match="jrc_synth-1.zarr: data.voxel_size"):
-        load_segmentation_data(seg_cfg(demo_data, "--data.voxel_size", "2,2,2"))
+        load_segmentation_data(
+            DataSettings.from_config(seg_cfg(demo_data, "--data.voxel_size", "2,2,2")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +245,8 @@ def test_array_handle_cache_is_bounded(tmp_path):
 def test_class_name_neither_cellmap_nor_annotated(tmp_path):
     write_store(tmp_path)
     with pytest.raises(DatasetError, match="'mitochondrion'"):
-        load_segmentation_data(seg_cfg(tmp_path, "--data.classes", "mito,mitochondrion"))
+        load_segmentation_data(
+            DataSettings.from_config(seg_cfg(tmp_path, "--data.classes", "mito,mitochondrion")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +277,8 @@ def test_csv_split_list_in_the_cellmap_data_format(tmp_path):
     sources = discover(StoreContext(), split)
     assert [s.name for s in sources] == ["jrc_t-1", "jrc_t-2"]
     assert sources[0].store == str(store) and sources[1].crops == []
-    _, train, val = load_segmentation_data(seg_cfg(split, "--data.val_crops", "crop1"))
+    _, train, val = load_segmentation_data(
+        DataSettings.from_config(seg_cfg(split, "--data.val_crops", "crop1")))
     assert [c.full_name for c in train] == ["jrc_t-1/crop1", "jrc_t-1/crop2"]
     assert [c.full_name for c in val] == ["jrc_t-1/crop3"]  # val_crops is ignored
     assert list(train[1].classes) == ["mito"]  # only the listed classes, though nuc exists
@@ -293,7 +298,7 @@ classes = ["mito", "nuc"]
 em = "jrc_t-1/jrc_t-1.zarr/{EM}"
 crop = "jrc_t-1/jrc_t-1.zarr/{GT}/crop3"
 ''')
-    _, train, val = load_segmentation_data(seg_cfg(split))
+    _, train, val = load_segmentation_data(DataSettings.from_config(seg_cfg(split)))
     assert [c.name for c in train] == ["crop1", "crop2"] and [c.name for c in val] == ["crop3"]
     assert all(c.split == "train" for c in train) and val[0].split == "val"
 
@@ -302,7 +307,8 @@ def test_split_list_without_val_entries_is_split_by_val_crops(tmp_path):
     store = write_store(tmp_path / "data", crops=THREE_CROPS)
     split = tmp_path / "split.csv"
     split.write_text("".join(_csv_row("train", store, c) for c in THREE_CROPS))
-    _, train, val = load_segmentation_data(seg_cfg(split, "--data.val_crops", "crop2"))
+    _, train, val = load_segmentation_data(
+        DataSettings.from_config(seg_cfg(split, "--data.val_crops", "crop2")))
     assert [c.name for c in train] == ["crop1", "crop3"] and [c.name for c in val] == ["crop2"]
 
 
@@ -352,10 +358,10 @@ def test_zarr_v3_store_reads_like_v2(tmp_path):
     samples = []
     for root in (tmp_path / "v2", tmp_path / "v3"):
         cfg = seg_cfg(root)
-        sources, train, _ = load_segmentation_data(cfg)
+        sources, train, _ = load_segmentation_data(DataSettings.from_config(cfg))
         assert [c.name for c in train] == list(THREE_CROPS)
         assert sources[0].levels[0].scale == (8.0, 8.0, 8.0)
-        ds = build_segmentation_samples(cfg, sources, train)
+        ds = build_segmentation_samples(DataSettings.from_config(cfg), sources, train)
         samples.append([ds[g] for g in range(6)])
     for a, b in zip(*samples):
         for key in ("image", "target", "valid"):

@@ -23,6 +23,7 @@ from torchtitan.data.sampling.samples import build_segmentation_samples
 from torchtitan.data.crops.selection import load_segmentation_data
 from torchtitan.data.crops.reader import em_to_model_input
 from torchtitan.data.io.stores import StoreContext
+from torchtitan.data.crops.selection import DataSettings
 
 EM = "recon-1/em/fibsem-uint8"
 CONFIG = "train_configs/debug_segmentation_2d.toml"
@@ -60,8 +61,8 @@ def config(data: Path, *extra: str):
 def images(data: Path, *extra: str) -> list[np.ndarray]:
     """Normalised EM of the first training samples (float32)."""
     cfg = config(data, *extra)
-    sources, train, _ = load_segmentation_data(cfg)
-    samples = build_segmentation_samples(cfg, sources, train)
+    sources, train, _ = load_segmentation_data(DataSettings.from_config(cfg))
+    samples = build_segmentation_samples(DataSettings.from_config(cfg), sources, train)
     out = []
     for i in SAMPLES:
         img = samples[i].image.numpy()

@@ -33,6 +33,7 @@ from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.crops.reader import CropReader, crop_grid
 from torchtitan.data.crops.reader import read_instance_ids
 from torchtitan.errors import run_cli
+from torchtitan.data.crops.selection import DataSettings
 
 import_main = script_module("helpers/import_stack.py").main
 
@@ -200,7 +201,7 @@ def test_16bit_multipage_tiff_em_keeps_its_range_and_labels_from_a_glob(tmp_path
     cfg = ConfigManager().parse_args([
         "--job.config_file", "train_configs/debug_segmentation_2d.toml", "--data.dataset_path",
         str(out), "--data.voxel_size", "8,8,8", "--data.classes", "pm"])
-    (source,) = load_em_sources(cfg)
+    (source,) = load_em_sources(DataSettings.from_config(cfg))
     assert source.levels[0].path.endswith("fibsem-uint16/s0")
     (crop,) = source.crops
     origin, shape = crop_grid(crop, cfg.data.voxel_size)
@@ -383,11 +384,11 @@ def test_vnc_sections_import_and_read_back_through_the_dataset_code(tmp_path, ca
         "--job.config_file", "train_configs/debug_segmentation_2d.toml", "--data.dataset_path", str(out),
         "--data.voxel_size", "50,4.6,4.6", "--data.classes", ",".join(classes),
         "--data.val_crops", "crop2", "--model.crop_size", "128,128"])
-    sources, train, val = load_segmentation_data(cfg)
+    sources, train, val = load_segmentation_data(DataSettings.from_config(cfg))
     assert [c.name for c in train] == ["crop1"] and [c.name for c in val] == ["crop2"]
 
     # Training samples: planes of the stack, fully annotated, the classes' values disjoint.
-    samples = build_segmentation_samples(cfg, sources, train)
+    samples = build_segmentation_samples(DataSettings.from_config(cfg), sources, train)
     seen = np.zeros(3)
     for i in range(4):
         s = samples[i]

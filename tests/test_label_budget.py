@@ -16,6 +16,7 @@ from torchtitan.data.crops.layout import DatasetError
 from torchtitan.data.crops.selection import load_segmentation_data
 from torchtitan.data.volume_source import build_source
 from torchtitan.errors import ConfigError
+from torchtitan.data.crops.selection import DataSettings
 
 SECTIONS, SIDE = 20, 32
 
@@ -135,6 +136,7 @@ def test_mae_on_slices_holds_out_no_crops(stack):
 
 def test_loader_logs_the_limited_labels(stack, caplog):
     with caplog.at_level("INFO"):
-        _, train, _ = load_segmentation_data(cfg(stack, "--data.train_label_fraction", "0.5"))
+        _, train, _ = load_segmentation_data(
+            DataSettings.from_config(cfg(stack, "--data.train_label_fraction", "0.5")))
     assert (train[0].box_min[0], train[0].box_max[0]) == (32, 96)
     assert "jrc_t-1/crop1 z 32-96 nm" in caplog.text

@@ -13,6 +13,7 @@ from torchtitan.data.sampling.samples import build_segmentation_samples
 from torchtitan.data.crops.selection import load_segmentation_data, split_crops
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 from torchtitan.inference.sliding_window import WindowPlan, predict_volume, sliding_window
+from torchtitan.data.crops.selection import DataSettings
 
 
 def _take(sampler, n):
@@ -41,8 +42,8 @@ def _cfg(data, *extra):
 
 def test_loader_batches_equal_with_and_without_workers_and_after_restart(demo_data):
     cfg = _cfg(demo_data)
-    sources, train, _ = load_segmentation_data(cfg)
-    ds = build_segmentation_samples(cfg, sources, train)
+    sources, train, _ = load_segmentation_data(DataSettings.from_config(cfg))
+    ds = build_segmentation_samples(DataSettings.from_config(cfg), sources, train)
     it0 = iter(build_loader(ds, 4, 0, 1, start_step=0, num_workers=0))
     batches = [next(it0) for _ in range(3)]
     it2 = iter(build_loader(ds, 4, 0, 1, start_step=2, num_workers=2))
@@ -54,20 +55,21 @@ def test_loader_batches_equal_with_and_without_workers_and_after_restart(demo_da
 
 def test_validation_crops_are_disjoint_from_training(demo_data):
     cfg = _cfg(demo_data)
-    sources, train, val = load_segmentation_data(cfg)
+    sources, train, val = load_segmentation_data(DataSettings.from_config(cfg))
     assert val and train
     assert not {c.full_name for c in train} & {c.full_name for c in val}
     named = _cfg(demo_data, "--data.val_crops", "crop1,jrc_synth-2/crop5")
-    _, train2, val2 = load_segmentation_data(named)
+    _, train2, val2 = load_segmentation_data(DataSettings.from_config(named))
     assert [c.full_name for c in val2] == ["jrc_synth-1/crop1", "jrc_synth-2/crop5"]
     assert len(train2) + 2 == len(train) + len(val)
     with pytest.raises(DatasetError, match="crop99"):
-        load_segmentation_data(_cfg(demo_data, "--data.val_crops", "crop99"))
+        load_segmentation_data(
+            DataSettings.from_config(_cfg(demo_data, "--data.val_crops", "crop99")))
 
 
 def test_split_prefers_crops_with_every_class(demo_data):
     cfg = _cfg(demo_data)
-    sources, train, val = load_segmentation_data(cfg)
+    sources, train, val = load_segmentation_data(DataSettings.from_config(cfg))
     crops = train + val
     _, val = split_crops(crops, ["nuc", "mito"], [], 0.25, seed=3)
     assert all({"nuc", "mito"} <= set(c.classes) for c in val)

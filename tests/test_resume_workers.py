@@ -18,6 +18,7 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sampling.loader import build_loader
 from torchtitan.data.sampling.samples import build_segmentation_samples
 from torchtitan.data.crops.selection import load_segmentation_data
+from torchtitan.data.crops.selection import DataSettings
 
 SEG2D = "train_configs/debug_segmentation_2d.toml"
 PARALLELISM = {
@@ -119,8 +120,8 @@ def test_resume_with_another_dp_degree_warns_and_continues(demo_data, tmp_path, 
 def test_global_batches_do_not_depend_on_dp_degree_or_workers(demo_data):
     cfg = ConfigManager().parse_args(["--job.config_file", SEG2D,
                                       "--data.dataset_path", str(demo_data)])
-    sources, train, _ = load_segmentation_data(cfg)
-    dataset = build_segmentation_samples(cfg, sources, train)
+    sources, train, _ = load_segmentation_data(DataSettings.from_config(cfg))
+    dataset = build_segmentation_samples(DataSettings.from_config(cfg), sources, train)
 
     def batches(dp_rank, dp_degree, workers, start_step=0, steps=3):
         loader = build_loader(dataset, 8, dp_rank, dp_degree, start_step=start_step,

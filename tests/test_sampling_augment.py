@@ -29,6 +29,7 @@ from torchtitan.data.sampling.mae_samples import MAESamples
 from torchtitan.data.sampling.samples import SegmentationSamples, samples_kwargs
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.crops.reader import annotates, read_instance_ids, read_target, target_groups
+from torchtitan.data.crops.selection import DataSettings
 
 EM_GROUP = "recon-1/em/fibsem-uint8"
 GT = "recon-1/labels/groundtruth"
@@ -530,10 +531,10 @@ def test_samples_kwargs_from_config():
         "--job.config_file", "train_configs/debug_segmentation_2d.toml",
         "--data.class_balanced", "true", "--data.min_label_fraction", "0.6",
         "--augmentation.rotate_deg", "15", "--data.max_resample", "3"])
-    seg = samples_kwargs(cfg, "segmentation")
+    seg = samples_kwargs(DataSettings.from_config(cfg), "segmentation")
     assert seg["class_balanced"] is True and seg["min_label_fraction"] == 0.6
     assert seg["augmentation"].rotate_deg == 15 and seg["max_resample"] == 3
-    mae = samples_kwargs(cfg, "mae")
+    mae = samples_kwargs(DataSettings.from_config(cfg), "mae")
     assert set(mae) == {"augmentation", "planes", "max_resample", "foreground_threshold"}
 
 

@@ -33,6 +33,7 @@ from torchtitan.data.slices.original import CellMapIdLabels  # noqa: E402
 from torchtitan.data.io.stores import StoreContext  # noqa: E402
 from torchtitan.data.crops.reader import annotates
 from torchtitan.data.volume_source import CellMapSource, SliceSource, build_source
+from torchtitan.data.crops.selection import DataSettings
 
 
 def _same(a, b) -> bool:
@@ -114,7 +115,8 @@ def test_slices_equal_the_zarr_reading(slices, demo_data, dataset, crop, axis, i
     voxel = [8.0, 8.0, 8.0]
     origin, shape = crop_grid(label_crop, voxel)
     assert item["origin"] == pytest.approx(origin.tolist()) and tuple(item["shape"]) == shape
-    samples = build_segmentation_samples(_cfg("--data.classes", ",".join(CLASSES)), [source],
+    samples = build_segmentation_samples(
+        DataSettings.from_config(_cfg("--data.classes", ",".join(CLASSES))), [source],
                                          [label_crop])
     zarr = samples.reader.read(label_crop, origin, shape)  # what validation reads: normalized EM
 
@@ -170,7 +172,7 @@ def test_existing_output_needs_force(slices, demo_data, capsys):
 ], ids=["flips", "all_augmentations_zyx"])
 def test_slice_samples_follow_the_sample_contract(slices, extra):
     cfg = _cfg("--data.dataset_name", str(slices), "--data.classes", "mito,nuc", *extra)
-    samples = build_slice_samples(cfg)
+    samples = build_slice_samples(DataSettings.from_config(cfg))
     if "zyx" in extra:
         assert set(samples.index.row_axis[samples.train_rows]) == {"z", "x"}
     for g in (0, 1, 17, 12345):
@@ -189,9 +191,9 @@ def test_a_slice_smaller_than_the_crop_is_centred_with_invalid_padding(slices):
     # jrc_synth-1/crop2 is 62 x 62 voxels in the plane at 8 nm: one voxel of padding a side.
     cfg = _cfg("--data.dataset_name", str(slices), "--data.val_fraction", "0",
                "--data.min_label_fraction", "0.5")
-    index, train, _ = load_slice_data(cfg)
+    index, train, _ = load_slice_data(DataSettings.from_config(cfg))
     only = [c for c in train if c.full_name == "jrc_synth-1/crop2"]
-    samples = build_slice_samples(cfg, index, only)
+    samples = build_slice_samples(DataSettings.from_config(cfg), index, only)
     samples.augment = False
     item = samples[3]
     valid = item.valid
@@ -203,7 +205,7 @@ def test_a_slice_smaller_than_the_crop_is_centred_with_invalid_padding(slices):
 
 def test_validation_volumes_from_slices_equal_the_zarr_ones(slices, demo_data):
     cfg = _cfg("--data.dataset_name", str(slices), "--data.dataset_path", str(demo_data))
-    from_slices, from_zarr = build_source(cfg), CellMapSource(cfg)
+    from_slices, from_zarr = build_source(cfg), CellMapSource(DataSettings.from_config(cfg))
     assert isinstance(from_slices, SliceSource)  # data.dataset_name names the source
     # The same split by crop name as from the zarr stores.
     assert [c.full_name for c in from_slices.train_crops] == \
@@ -221,15 +223,19 @@ def test_validation_volumes_from_slices_equal_the_zarr_ones(slices, demo_data):
 def test_config_mismatches_are_clear_errors(slices):
     name = str(slices)
     with pytest.raises(DatasetError, match="model.ndim = 3"):
-        load_slice_data(ConfigManager().parse_args([
+        load_slice_data(DataSettings.from_config(ConfigManager().parse_args([
             "--job.config_file", "train_configs/debug_segmentation_3d.toml",
-            "--data.dataset_name", name]))
+            "--data.dataset_name", name])))
     with pytest.raises(DatasetError, match=r"data.classes \['ves'\] are not in the slices"):
-        load_slice_data(_cfg("--data.dataset_name", name, "--data.classes", "mito,ves"))
+        load_slice_data(
+            DataSettings.from_config(_cfg("--data.dataset_name", name,
+                                          "--data.classes", "mito,ves")))
     with pytest.raises(DatasetError, match="data.voxel_size"):
-        load_slice_data(_cfg("--data.dataset_name", name, "--data.voxel_size", "16,16,16"))
+        load_slice_data(
+            DataSettings.from_config(_cfg("--data.dataset_name", name,
+                                          "--data.voxel_size", "16,16,16")))
     with pytest.raises(DatasetError, match="no such folder"):
-        load_slice_data(_cfg("--data.dataset_name", "./no/such/slices"))
+        load_slice_data(DataSettings.from_config(_cfg("--data.dataset_name", "./no/such/slices")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +370,7 @@ def test_original_schema_loads_and_validates_from_stacked_planes(original_slices
 def test_unknown_columns_are_a_clear_error(tmp_path_factory):
     name = str(_save(tmp_path_factory, "unknown", {"pixels": [1, 2], "mask": [0, 1]}))
     with pytest.raises(DatasetError) as err:
-        load_slice_data(_cfg("--data.dataset_name", name))
+        load_slice_data(DataSettings.from_config(_cfg("--data.dataset_name", name)))
     assert str(err.value) == (
         f"data.dataset_name {name!r} has the columns ['pixels', 'mask'], which match no slices "
         "dataset schema; expected either this project's (helpers/create_slice_dataset.py): "
@@ -375,7 +381,7 @@ def test_unknown_columns_are_a_clear_error(tmp_path_factory):
     )
     mae = ConfigManager().parse_args(["--job.config_file", MAE2D, "--data.dataset_name", name])
     with pytest.raises(DatasetError) as err:
-        load_mae_slices(mae)
+        load_mae_slices(DataSettings.from_config(mae))
     assert str(err.value).startswith(
         f"data.dataset_name {name!r} has no 'image' column of images (it has the columns "
         "['pixels', 'mask']); MAE reads the EM images of a slices dataset: this project's")
@@ -384,17 +390,17 @@ def test_unknown_columns_are_a_clear_error(tmp_path_factory):
         "volume": [b"\0" * 8], "label": [b"\0" * 8], "crop_name": ["a/recon-1/crop1"],
         "shape": [[2, 2, 2]]}))
     with pytest.raises(DatasetError, match="holds whole 3D crops"):
-        load_slice_data(_cfg("--data.dataset_name", name3d))
+        load_slice_data(DataSettings.from_config(_cfg("--data.dataset_name", name3d)))
 
 
 def test_original_schema_config_errors(original_slices):
     with pytest.raises(DatasetError, match=r"data.classes \['mitochondria'\] are not CellMap"):
-        load_slice_data(_cfg("--data.dataset_name", str(original_slices),
-                             "--data.classes", "mito,mitochondria"))
+        load_slice_data(DataSettings.from_config(_cfg("--data.dataset_name", str(original_slices),
+                             "--data.classes", "mito,mitochondria")))
     with pytest.raises(DatasetError, match="model.ndim = 3; train 3D MAE"):
-        load_mae_slices(ConfigManager().parse_args([
+        load_mae_slices(DataSettings.from_config(ConfigManager().parse_args([
             "--job.config_file", "train_configs/debug_mae_3d.toml",
-            "--data.dataset_name", str(original_slices)]))
+            "--data.dataset_name", str(original_slices)])))
 
 
 @pytest.mark.parametrize("which", ["original_slices", "slices", "images_only"])
@@ -414,10 +420,10 @@ def test_mae_samples_from_slices(which, request, tmp_path_factory):
     cfg = ConfigManager().parse_args(["--job.config_file", MAE2D, "--data.dataset_name",
                                       str(name), "--augmentation.rotate_deg", "20",
                                       "--augmentation.contrast", "0.2"])
-    data = load_mae_slices(cfg)
+    data = load_mae_slices(DataSettings.from_config(cfg))
     if which != "images_only":
         assert set(data.row_axis[data.rows]) == {"z"}  # data.planes = "z"
-    samples = build_slice_mae_samples(cfg, data, num_patches=64)
+    samples = build_slice_mae_samples(DataSettings.from_config(cfg), data, num_patches=64)
     for g in (0, 3, 999):
         item = samples[g]
         assert item.image.shape == item.valid.shape == (1, 64, 64)
@@ -426,7 +432,8 @@ def test_mae_samples_from_slices(which, request, tmp_path_factory):
         again = samples[g]
         assert _same(item, again)  # a sample depends on (seed, index) alone
     assert not torch.equal(samples[0].noise, samples[1].noise)
-    held_out = build_slice_mae_samples(cfg, data, seed_offset=1_000_003, num_patches=64,
+    held_out = build_slice_mae_samples(
+        DataSettings.from_config(cfg), data, seed_offset=1_000_003, num_patches=64,
                                        augment=False)
     assert not torch.equal(held_out[0].noise, samples[0].noise)
 

@@ -26,7 +26,7 @@ from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.data.crops.reader import (READ_ERRORS, CropArrays, CropReader, annotates,
                                           crop_grid, read_instance_ids)
-from torchtitan.data.crops.selection import (held_out_crops, load_em_sources,
+from torchtitan.data.crops.selection import (DataSettings, held_out_crops, load_em_sources,
                                              load_segmentation_data)
 from torchtitan.data.sampling.mae_samples import build_mae_samples
 from torchtitan.data.sampling.samples import build_segmentation_samples
@@ -38,7 +38,7 @@ from torchtitan.data.slices.samples import (
     load_slice_data,
 )
 
-__all__ = ["READ_ERRORS", "CropVolume", "VolumeSource", "build_source"]
+__all__ = ["READ_ERRORS", "CropVolume", "DataSettings", "VolumeSource", "build_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,13 @@ class VolumeSource(Protocol):
         """The whole crop on :meth:`grid`: EM, targets, validity and instance ids."""
 
 
-def _volume(cfg, crop, origin, arrays: CropArrays, instance_ids: dict) -> CropVolume:
-    classes = list(cfg.data.classes)
+def _volume(settings: DataSettings, crop, origin, arrays: CropArrays,
+            instance_ids: dict) -> CropVolume:
+    classes = list(settings.data.classes)
     return CropVolume(
         torch.from_numpy(arrays.image), torch.from_numpy(arrays.target > 0),
         torch.from_numpy(arrays.valid > 0), origin,
-        voxel_size=tuple(float(v) for v in cfg.data.voxel_size), classes=classes,
+        voxel_size=tuple(float(v) for v in settings.data.voxel_size), classes=classes,
         annotated=[c for c in classes if annotates(crop, c)], name=crop.full_name,
         instance_ids=instance_ids)
 
@@ -100,18 +101,18 @@ def _volume(cfg, crop, origin, arrays: CropArrays, instance_ids: dict) -> CropVo
 class CellMapSource:
     """CellMap-layout zarr stores (``data.dataset_path``)."""
 
-    def __init__(self, cfg, labels: bool = True):
-        self.cfg = cfg
-        d = cfg.data
+    def __init__(self, settings: DataSettings, labels: bool = True):
+        self.settings = settings
+        d = settings.data
         if labels:
-            self.ems, self.train_crops, self.val_crops = load_segmentation_data(cfg)
+            self.ems, self.train_crops, self.val_crops = load_segmentation_data(settings)
             logger.info("segmentation data: %d datasets, %d training crops, %d validation crops "
                         "(%s)", len(self.ems), len(self.train_crops), len(self.val_crops),
                         ", ".join(c.full_name for c in self.val_crops) or "none")
         else:
-            self.ems, self.train_crops = load_em_sources(cfg), []
+            self.ems, self.train_crops = load_em_sources(settings), []
             # MAE: the EM of the validation crops is held out of pretraining.
-            self.val_crops = held_out_crops(cfg, self.ems)
+            self.val_crops = held_out_crops(settings, self.ems)
             logger.info("MAE data: %d EM volumes (%s); held out for validation: %s",
                         len(self.ems), ", ".join(s.name for s in self.ems),
                         ", ".join(c.full_name for c in self.val_crops)
@@ -119,73 +120,75 @@ class CellMapSource:
         self.reader = CropReader(self.ems, d.classes, d.voxel_size) if labels else None
 
     def segmentation_dataset(self) -> Dataset:
-        return build_segmentation_samples(self.cfg, self.ems, self.train_crops)
+        return build_segmentation_samples(self.settings, self.ems, self.train_crops)
 
     def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
                     augment: bool = True, validation: bool = False) -> Dataset:
-        return build_mae_samples(self.cfg, self.ems, seed_offset, num_patches=num_patches,
+        return build_mae_samples(self.settings, self.ems, seed_offset, num_patches=num_patches,
                                  augment=augment, held_out=self.val_crops, validation=validation)
 
     def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
-        return crop_grid(crop, self.cfg.data.voxel_size)
+        return crop_grid(crop, self.settings.data.voxel_size)
 
     def read_volume(self, crop) -> CropVolume:
         """Instance classes stored with object ids keep them, so that touching instances are
         scored apart (as the scoring command does); 0/1 groups stay binary masks."""
         origin, shape = self.grid(crop)
-        vox = self.cfg.data.voxel_size
+        vox = self.settings.data.voxel_size
         ids = {}
-        for name in self.cfg.data.classes:
+        for name in self.settings.data.classes:
             if name in INSTANCE_CLASSES:
                 stored = read_instance_ids(crop, name, origin, vox, shape)
                 if stored is not None and stored.max(initial=0) > 1:
                     ids[name] = stored
-        return _volume(self.cfg, crop, origin, self.reader.read(crop, origin, shape), ids)
+        return _volume(self.settings, crop, origin, self.reader.read(crop, origin, shape), ids)
 
 
 class SliceSource:
     """A Hugging Face dataset of 2D slices (``data.dataset_name``); it logs what it holds."""
 
-    def __init__(self, cfg, labels: bool = True):
-        self.cfg = cfg
-        if labels and cfg.affinities.classes:
+    def __init__(self, settings: DataSettings, labels: bool = True):
+        self.settings = settings
+        if labels and settings.affinities.classes:
             raise DatasetError(
-                f"affinities.classes = {cfg.affinities.classes}: a slices dataset "
-                f"(data.dataset_name = {cfg.data.dataset_name!r}) holds binary masks, not the "
-                "object ids affinities are made of; train on zarr stores with instance ids "
+                f"affinities.classes = {list(settings.affinities.classes)}: a slices dataset "
+                f"(data.dataset_name = {settings.data.dataset_name!r}) holds binary masks, not "
+                "the object ids affinities are made of; train on zarr stores with instance ids "
                 "(data.dataset_path), or leave affinities.classes empty")
         if labels:
-            self.index, self.train_crops, self.val_crops = load_slice_data(cfg)
-            self.reader = SliceReader(self.index, cfg.data.classes)
+            self.index, self.train_crops, self.val_crops = load_slice_data(settings)
+            self.reader = SliceReader(self.index, settings.data.classes)
         else:
-            if cfg.data.val_crops:
+            if settings.data.val_crops:
                 raise DatasetError(
-                    f"data.val_crops = {cfg.data.val_crops}: MAE on a slices dataset "
-                    f"(data.dataset_name = {cfg.data.dataset_name!r}) holds out no crops; "
+                    f"data.val_crops = {settings.data.val_crops}: MAE on a slices dataset "
+                    f"(data.dataset_name = {settings.data.dataset_name!r}) holds out no crops; "
                     "leave data.val_crops empty (validation draws its own slices)")
-            self.mae_slices, self.train_crops, self.val_crops = load_mae_slices(cfg), [], []
+            self.mae_slices, self.train_crops, self.val_crops = load_mae_slices(settings), [], []
 
     def segmentation_dataset(self) -> Dataset:
-        return build_slice_samples(self.cfg, self.index, self.train_crops)
+        return build_slice_samples(self.settings, self.index, self.train_crops)
 
     def mae_dataset(self, seed_offset: int = 0, num_patches: int = 0,
                     augment: bool = True, validation: bool = False) -> Dataset:
-        return build_slice_mae_samples(self.cfg, self.mae_slices, seed_offset,
+        return build_slice_mae_samples(self.settings, self.mae_slices, seed_offset,
                                        num_patches=num_patches, augment=augment)
 
     def grid(self, crop) -> tuple[np.ndarray, tuple[int, int, int]]:
-        return crop_grid(crop, self.cfg.data.voxel_size)
+        return crop_grid(crop, self.settings.data.voxel_size)
 
     def read_volume(self, crop) -> CropVolume:
         """Stacked from the crop's slices; slices hold no instance ids (binary masks only)."""
         origin, shape = self.grid(crop)
-        return _volume(self.cfg, crop, origin, self.reader.read(crop, shape), {})
+        return _volume(self.settings, crop, origin, self.reader.read(crop, shape), {})
 
 
 def build_source(cfg, labels: bool = True) -> VolumeSource:
-    """The source the config names: ``data.dataset_name`` (slices) or else the zarr stores of
+    """The source a JobConfig names: ``data.dataset_name`` (slices) or else the zarr stores of
     ``data.dataset_path``. ``labels=False`` (MAE) opens the EM alone. Every problem with the
-    data is a DatasetError, raised here, before any process group exists."""
-    if cfg.data.dataset_name:
-        return SliceSource(cfg, labels)
-    return CellMapSource(cfg, labels)
+    data is a DatasetError, raised here, before any process group exists. What the data reads
+    of the config is read here, once (:class:`DataSettings`)."""
+    settings = DataSettings.from_config(cfg)
+    if settings.data.dataset_name:
+        return SliceSource(settings, labels)
+    return CellMapSource(settings, labels)

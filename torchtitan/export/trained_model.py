@@ -119,7 +119,7 @@ def _window_origin(crop_origin, crop_shape, window, voxel) -> np.ndarray:
 def test_sample(cfg) -> TestSample:
     """The centre window of the first validation crop (else the first label crop) of the
     training data, as stored and as the network's input."""
-    sources = discover(StoreContext.from_config(cfg), cfg.data.dataset_path)
+    sources = discover(StoreContext.from_config(cfg.data), cfg.data.dataset_path)
     set_em_ranges(sources, cfg.data.em_range)
     crops = [(s, c) for s in sources for c in s.crops]
     if not crops:

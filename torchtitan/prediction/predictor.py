@@ -248,7 +248,7 @@ def predict_regions(args) -> list[str]:
     if args.data:
         cfg.data.dataset_path = args.data
     settings = inference_options(cfg, args)
-    sources = discover(StoreContext.from_config(cfg), cfg.data.dataset_path)
+    sources = discover(StoreContext.from_config(cfg.data), cfg.data.dataset_path)
     set_em_ranges(sources, cfg.data.em_range)
     requested = requested_regions(args, sources, cfg.data.voxel_size)
     check_outputs(args, [r.name for r in requested])

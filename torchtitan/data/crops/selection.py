@@ -1,20 +1,47 @@
-"""Which volumes and label crops a run reads: discovery through one store context, the checks
-that stop a bad dataset before any process group exists, the train/validation split of the
-label crops and the label budget (``data.train_label_fraction``)."""
+"""Which volumes and label crops a run reads: what the data reads of a run's config
+(:class:`DataSettings`), discovery through one store context, the checks that stop a bad
+dataset before any process group exists, the train/validation split of the label crops and
+the label budget (``data.train_label_fraction``)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan.cellmap.affinities import AffinitySpec
 from torchtitan.cellmap.classes import check_class_names
+from torchtitan.config.job_config import Augmentation, Data
 from torchtitan.data.crops.layout import (DatasetError, EMSource, LabelCrop, check_crop_inside,
                                           check_voxel_size, discover, label_slab)
 from torchtitan.data.crops.reader import annotates, grid_shape, set_em_ranges
 from torchtitan.data.io.stores import StoreContext
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What the data floor reads of a run's config, read once (``from_config``): the ``[data]``
+    and ``[augmentation]`` sections, the model's crop size (its dimensionality with it), the
+    seed of every draw and the affinity targets (``[affinities]``, resolved on the grid)."""
+
+    data: Data
+    augmentation: Augmentation
+    crop_size: tuple[int, ...]  # model.crop_size: (y, x) in 2D, (z, y, x) in 3D
+    seed: int  # training.seed
+    affinities: AffinitySpec
+
+    @classmethod
+    def from_config(cls, cfg) -> DataSettings:
+        return cls(cfg.data, cfg.augmentation, tuple(int(c) for c in cfg.model.crop_size),
+                   int(cfg.training.seed), AffinitySpec.from_config(cfg))
+
+    @property
+    def ndim(self) -> int:
+        """The model's dimensionality (2 or 3), that of its crops."""
+        return len(self.crop_size)
 
 
 def _matches(crop: LabelCrop, name: str) -> bool:
@@ -84,18 +111,19 @@ def _check_class_names(classes: list[str], crops: list[LabelCrop]) -> None:
     check_class_names(classes, extra=sorted({k for c in crops for k in c.classes}))
 
 
-def load_em_sources(cfg) -> list[EMSource]:
+def load_em_sources(settings: DataSettings) -> list[EMSource]:
     """The EM volumes of ``data.dataset_path`` (folder or split list), each able to serve
     ``data.voxel_size``; for tasks that need no labels (MAE). They read through one store
     context made from the config (``data.cache_mb``)."""
-    sources = discover(StoreContext.from_config(cfg), cfg.data.dataset_path)
+    sources = discover(StoreContext.from_config(settings.data), settings.data.dataset_path)
     for s in sources:
-        check_voxel_size(s, cfg.data.voxel_size)
-    set_em_ranges(sources, cfg.data.em_range)
+        check_voxel_size(s, settings.data.voxel_size)
+    set_em_ranges(sources, settings.data.em_range)
     return sources
 
 
-def load_segmentation_data(cfg) -> tuple[list[EMSource], list[LabelCrop], list[LabelCrop]]:
+def load_segmentation_data(settings: DataSettings
+                           ) -> tuple[list[EMSource], list[LabelCrop], list[LabelCrop]]:
     """Discover the datasets and split crops; every problem is a DatasetError, raised before
     any process group exists.
 
@@ -103,43 +131,44 @@ def load_segmentation_data(cfg) -> tuple[list[EMSource], list[LabelCrop], list[L
     validation crops (``data.val_crops`` / ``data.val_fraction`` are then ignored); a split list
     without any is split like a folder.
     """
-    if not cfg.data.classes:
+    if not settings.data.classes:
         raise DatasetError("data.classes is empty; name the classes to segment (e.g. mito,nuc)")
-    sources = load_em_sources(cfg)
+    sources = load_em_sources(settings)
     crops = [c for s in sources for c in s.crops]
     if not crops:
         raise DatasetError(
-            f"data.dataset_path {cfg.data.dataset_path!r}: no label crops found under "
+            f"data.dataset_path {settings.data.dataset_path!r}: no label crops found under "
             "<ds>.zarr/recon-1/labels/groundtruth/crop*/<class>; segmentation needs annotations"
         )
-    _check_class_names(cfg.data.classes, crops)
+    _check_class_names(settings.data.classes, crops)
     for s in sources:
         for c in s.crops:
             check_crop_inside(s, c)
-    _check_classes(crops, cfg.data.classes, "")
+    _check_classes(crops, settings.data.classes, "")
     if any(c.split == "val" for c in crops):
-        if cfg.data.val_crops:
+        if settings.data.val_crops:
             logger.warning("data.val_crops is ignored: the split list %s names the validation "
-                           "crops", cfg.data.dataset_path)
+                           "crops", settings.data.dataset_path)
         train = [c for c in crops if c.split != "val"]
         val = [c for c in crops if c.split == "val"]
     else:
-        train, val = split_crops(crops, cfg.data.classes, cfg.data.val_crops,
-                                 cfg.data.val_fraction, cfg.training.seed)
-    _check_classes(train, cfg.data.classes, "training")
-    _check_crop_size(train, cfg.data.voxel_size, cfg.model.crop_size, cfg.data.min_label_fraction)
-    train = [label_slab(c, cfg.data.train_label_fraction, cfg.data.voxel_size) for c in train]
-    if cfg.data.train_label_fraction < 1:
-        logger.info("data.train_label_fraction %g: labels of %s", cfg.data.train_label_fraction,
+        train, val = split_crops(crops, settings.data.classes, settings.data.val_crops,
+                                 settings.data.val_fraction, settings.seed)
+    _check_classes(train, settings.data.classes, "training")
+    d = settings.data
+    _check_crop_size(train, d.voxel_size, settings.crop_size, d.min_label_fraction)
+    train = [label_slab(c, d.train_label_fraction, d.voxel_size) for c in train]
+    if d.train_label_fraction < 1:
+        logger.info("data.train_label_fraction %g: labels of %s", d.train_label_fraction,
                     ", ".join(f"{c.full_name} z {c.box_min[0]:g}-{c.box_max[0]:g} nm"
                               for c in train))
     return sources, train, val
 
 
-def held_out_crops(cfg, sources: list[EMSource]) -> list[LabelCrop]:
+def held_out_crops(settings: DataSettings, sources: list[EMSource]) -> list[LabelCrop]:
     """The crops ``data.val_crops`` names (none when it is empty): MAE pretraining holds
     their EM out and validates on it."""
-    if not cfg.data.val_crops:
+    if not settings.data.val_crops:
         return []
     crops = [c for s in sources for c in s.crops]
-    return split_crops(crops, [], cfg.data.val_crops, 0.0, cfg.training.seed)[1]
+    return split_crops(crops, [], settings.data.val_crops, 0.0, settings.seed)[1]

@@ -256,9 +256,9 @@ class StoreContext:
         self._drop_handles()
 
     @classmethod
-    def from_config(cls, cfg) -> "StoreContext":
-        """The context of a JobConfig: a chunk cache of ``data.cache_mb`` MiB."""
-        return cls(StoreSettings(cache_bytes=int(cfg.data.cache_mb) << 20))
+    def from_config(cls, data) -> "StoreContext":
+        """The context of a run's ``[data]`` section: a chunk cache of ``data.cache_mb`` MiB."""
+        return cls(StoreSettings(cache_bytes=int(data.cache_mb) << 20))
 
     def __repr__(self) -> str:
         return f"StoreContext({self.settings})"

@@ -18,6 +18,7 @@ from torchtitan.choices import VOXEL_RTOL
 from torchtitan.config.job_config import Augmentation
 from torchtitan.data.sampling.augment import nearest_from_geometry
 from torchtitan.data.sampling.batch import Sample
+from torchtitan.data.crops.selection import DataSettings
 from torchtitan.data.crops.layout import DatasetError, EMSource, LabelCrop
 from torchtitan.cellmap.grids import grid_origin_snapped
 from torchtitan.data.sampling.samples import SampleArrays, SampleDataset, samples_kwargs
@@ -157,11 +158,11 @@ class MAESamples(SampleDataset):
         return out
 
 
-def build_mae_samples(cfg, sources, seed_offset: int = 0, num_patches: int = 0,
+def build_mae_samples(settings: DataSettings, sources, seed_offset: int = 0, num_patches: int = 0,
                       augment: bool = True, held_out: list[LabelCrop] = (),
                       validation: bool = False) -> MAESamples:
     """MAE samples outside the ``held_out`` crops, or with ``validation`` inside them (and
     ``augment=False``, a ``seed_offset``: the fixed validation stream)."""
-    return MAESamples(sources, cfg.data.voxel_size, cfg.model.crop_size,
-                      cfg.training.seed + seed_offset, augment=augment, num_patches=num_patches,
-                      held_out=held_out, validation=validation, **samples_kwargs(cfg, "mae"))
+    return MAESamples(sources, settings.data.voxel_size, settings.crop_size,
+                      settings.seed + seed_offset, augment=augment, num_patches=num_patches,
+                      held_out=held_out, validation=validation, **samples_kwargs(settings, "mae"))

@@ -50,6 +50,7 @@ from torchtitan.cellmap.grids import (ScaleLevel, extent_shape, grid_origin_snap
                                       voxel_centres)
 from torchtitan.choices import PLANES, same_voxel_size
 from torchtitan.config.job_config import Augmentation
+from torchtitan.data.crops.selection import DataSettings
 from torchtitan.data.crops.layout import EMSource, LabelCrop
 from torchtitan.data.crops.reader import (READ_ERRORS, CropReader, annotates, em_level,
                                           grid_shape, groups_to_read, has_ids, read_target,
@@ -442,27 +443,28 @@ class SegmentationSamples(SampleDataset):
         return SampleArrays(box.image, valid, target, {}, augmentation)
 
 
-def samples_kwargs(cfg, kind: str = "segmentation") -> dict:
+def samples_kwargs(settings: DataSettings, kind: str = "segmentation") -> dict:
     """Constructor keywords of :class:`SegmentationSamples` (``kind='segmentation'``) or
-    ``mae_samples.MAESamples`` (``kind='mae'``) from a JobConfig's ``data`` and ``augmentation``."""
+    ``mae_samples.MAESamples`` (``kind='mae'``) from the run's data settings."""
     kwargs = {
-        "augmentation": cfg.augmentation,
-        "planes": cfg.data.planes,
-        "max_resample": cfg.data.max_resample,
+        "augmentation": settings.augmentation,
+        "planes": settings.data.planes,
+        "max_resample": settings.data.max_resample,
     }
     if kind == "segmentation":
-        kwargs.update(min_label_fraction=cfg.data.min_label_fraction,
-                      class_balanced=cfg.data.class_balanced,
-                      affinities=AffinitySpec.from_config(cfg))
+        kwargs.update(min_label_fraction=settings.data.min_label_fraction,
+                      class_balanced=settings.data.class_balanced,
+                      affinities=settings.affinities)
     elif kind == "mae":
-        kwargs.update(foreground_threshold=cfg.data.foreground_threshold)
+        kwargs.update(foreground_threshold=settings.data.foreground_threshold)
     else:
         raise ValueError(f"kind must be 'segmentation' or 'mae', got {kind!r}")
     return kwargs
 
 
-def build_segmentation_samples(cfg, sources, train_crops) -> SegmentationSamples:
-    """The segmentation samples of a config over ``train_crops``."""
-    return SegmentationSamples(sources, train_crops, cfg.data.classes, cfg.data.voxel_size,
-                               cfg.model.crop_size, cfg.training.seed,
-                               **samples_kwargs(cfg, "segmentation"))
+def build_segmentation_samples(settings: DataSettings, sources,
+                               train_crops) -> SegmentationSamples:
+    """The segmentation samples of a run over ``train_crops``."""
+    d = settings.data
+    return SegmentationSamples(sources, train_crops, d.classes, d.voxel_size, settings.crop_size,
+                               settings.seed, **samples_kwargs(settings, "segmentation"))

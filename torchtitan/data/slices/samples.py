@@ -34,7 +34,7 @@ from torchtitan.data.sampling.augment import Augmenter, apply_flips, read_shape,
 from torchtitan.data.sampling.batch import Sample
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
-from torchtitan.data.crops.selection import split_crops
+from torchtitan.data.crops.selection import DataSettings, split_crops
 from torchtitan.data.sampling.mae_samples import best_draw, foreground_fraction
 from torchtitan.data.sampling.resampling import resample
 from torchtitan.data.crops.reader import CropArrays, em_to_model_input
@@ -315,35 +315,36 @@ def _check_voxel_sizes(name: str, sizes, voxel_size) -> None:
         )
 
 
-def _check_2d(cfg, what: str) -> None:
-    if cfg.model.ndim != 2:
+def _check_2d(settings: DataSettings, what: str) -> None:
+    if settings.ndim != 2:
         raise DatasetError(
-            f"data.dataset_name {cfg.data.dataset_name!r} is a dataset of 2D slices, but "
-            f"model.ndim = {cfg.model.ndim}; train 3D {what} from the zarr stores "
+            f"data.dataset_name {settings.data.dataset_name!r} is a dataset of 2D slices, but "
+            f"model.ndim = {settings.ndim}; train 3D {what} from the zarr stores "
             "(data.dataset_path, with data.dataset_name empty)"
         )
 
 
-def _check_ours(index: SliceIndex, cfg, train: list[SliceCrop], val: list[SliceCrop]) -> None:
+def _check_ours(index: SliceIndex, settings: DataSettings, train: list[SliceCrop],
+                val: list[SliceCrop]) -> None:
     """What this project's schema records, checked against the config."""
-    d = cfg.data
+    d = settings.data
     for cls in d.classes:
         if not any(cls in c.classes for c in train):
             raise DatasetError(
                 f"data.classes: class {cls!r} is annotated by no training crop of "
                 f"{d.dataset_name!r} (check data.val_crops / data.val_fraction)"
             )
-    _check_min_fraction(index, train, tuple(d.planes), cfg.model.crop_size, d.min_label_fraction)
+    _check_min_fraction(index, train, tuple(d.planes), settings.crop_size, d.min_label_fraction)
     for c in val:
         index.volume_rows(c)  # fail now, not at the first validation
 
 
-def load_slice_data(cfg) -> tuple[SliceIndex, list[SliceCrop], list[SliceCrop]]:
+def load_slice_data(settings: DataSettings) -> tuple[SliceIndex, list[SliceCrop], list[SliceCrop]]:
     """Open ``data.dataset_name``, check it against the config and split its crops into
     (train, val) by crop name, as ``load_segmentation_data`` does for zarr stores. Every
     problem is a DatasetError, raised before any process group exists."""
-    d = cfg.data
-    _check_2d(cfg, "models")
+    d = settings.data
+    _check_2d(settings, "models")
     if d.class_balanced:
         raise DatasetError(
             "data.class_balanced is not supported with data.dataset_name (slices are drawn "
@@ -368,9 +369,9 @@ def load_slice_data(cfg) -> tuple[SliceIndex, list[SliceCrop], list[SliceCrop]]:
         raise DatasetError(f"data.dataset_name {d.dataset_name!r} holds no slices")
     if schema == OURS:
         _check_voxel_sizes(d.dataset_name, [c.voxel_size for c in crops], d.voxel_size)
-    train, val = split_crops(crops, d.classes, d.val_crops, d.val_fraction, cfg.training.seed)
+    train, val = split_crops(crops, d.classes, d.val_crops, d.val_fraction, settings.seed)
     if schema == OURS:
-        _check_ours(index, cfg, train, val)
+        _check_ours(index, settings, train, val)
     else:
         val = slices_original.stack_held_out(index, d.dataset_name, val, d.voxel_size)
     axes = tuple(d.planes)  # "z" or "zyx"
@@ -381,15 +382,15 @@ def load_slice_data(cfg) -> tuple[SliceIndex, list[SliceCrop], list[SliceCrop]]:
     return index, train, val
 
 
-def build_slice_samples(cfg, index: SliceIndex | None = None,
+def build_slice_samples(settings: DataSettings, index: SliceIndex | None = None,
                         train_crops: list[SliceCrop] | None = None) -> SliceSamples:
     """The training samples of ``data.dataset_name`` (opened and split here unless given)."""
     if index is None or train_crops is None:
-        index, train_crops, _ = load_slice_data(cfg)
-    return SliceSamples(index, train_crops, cfg.data.classes, cfg.model.crop_size,
-                        cfg.training.seed,
-                        augmentation=cfg.augmentation,
-                        axes=tuple(cfg.data.planes))
+        index, train_crops, _ = load_slice_data(settings)
+    return SliceSamples(index, train_crops, settings.data.classes, settings.crop_size,
+                        settings.seed,
+                        augmentation=settings.augmentation,
+                        axes=tuple(settings.data.planes))
 
 
 @dataclass(frozen=True)
@@ -401,12 +402,12 @@ class MAESlices:
     row_axis: np.ndarray | None  # "z" / "y" / "x" per row, None without an axis column
 
 
-def load_mae_slices(cfg) -> MAESlices:
+def load_mae_slices(settings: DataSettings) -> MAESlices:
     """The EM slices of ``data.dataset_name`` for MAE: the rows normal to ``data.planes``
     (every row when the dataset has no ``axis`` column). DatasetErrors before any process
     group exists."""
-    d = cfg.data
-    _check_2d(cfg, "MAE")
+    d = settings.data
+    _check_2d(settings, "MAE")
     ds, schema = open_slices(d.dataset_name, need="image")
     if schema == OURS:
         _check_voxel_sizes(d.dataset_name, ds.select_columns(["voxel_size"]).to_dict()[
@@ -429,12 +430,13 @@ def load_mae_slices(cfg) -> MAESlices:
     return MAESlices(ds, rows, row_axis)
 
 
-def build_slice_mae_samples(cfg, data: MAESlices, seed_offset: int = 0, num_patches: int = 0,
+def build_slice_mae_samples(settings: DataSettings, data: MAESlices, seed_offset: int = 0,
+                            num_patches: int = 0,
                             augment: bool = True) -> SliceMAESamples:
     """MAE samples of a slices dataset; ``augment=False`` for the held-out validation
     stream (``seed_offset``), as ``mae_samples.build_mae_samples``."""
-    return SliceMAESamples(data.ds, data.rows, data.row_axis, cfg.model.crop_size,
-                           cfg.data.voxel_size, cfg.training.seed + seed_offset, augment=augment,
+    return SliceMAESamples(data.ds, data.rows, data.row_axis, settings.crop_size,
+                           settings.data.voxel_size, settings.seed + seed_offset, augment=augment,
                            num_patches=num_patches,
-                           augmentation=cfg.augmentation,
-                           foreground_threshold=cfg.data.foreground_threshold)
+                           augmentation=settings.augmentation,
+                           foreground_threshold=settings.data.foreground_threshold)
