@@ -21,10 +21,9 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops.reader import ChunkReadError, read_linear
 from torchtitan.data.crops.layout import DatasetError, check_voxel_size, discover
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.crops.selection import load_em_sources, load_segmentation_data
+from torchtitan.data.crops.selection import DataSettings, load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext, StoreSettings
 from torchtitan.data.io.zarr_chunks import ChunkedArray
-from torchtitan.data.crops.selection import DataSettings
 
 EM = "recon-1/em/fibsem-uint8"
 GT = "recon-1/labels/groundtruth"

@@ -20,10 +20,9 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops import layout, reader
 from torchtitan.data.crops.layout import DatasetError
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.crops.selection import load_segmentation_data
+from torchtitan.data.crops.selection import DataSettings, load_segmentation_data
 from torchtitan.data.crops.reader import em_to_model_input
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.crops.selection import DataSettings
 
 EM = "recon-1/em/fibsem-uint8"
 CONFIG = "train_configs/debug_segmentation_2d.toml"

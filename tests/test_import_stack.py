@@ -28,12 +28,11 @@ from torchtitan.data.crops import layout, reader
 from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
 from torchtitan.data.imports.image_stack import natural_key
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.crops.selection import load_em_sources, load_segmentation_data
+from torchtitan.data.crops.selection import DataSettings, load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.data.crops.reader import CropReader, crop_grid
 from torchtitan.data.crops.reader import read_instance_ids
 from torchtitan.errors import run_cli
-from torchtitan.data.crops.selection import DataSettings
 
 import_main = script_module("helpers/import_stack.py").main
 

@@ -13,10 +13,9 @@ from test_sampling_augment import make_store, write_labels
 
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops.layout import DatasetError
-from torchtitan.data.crops.selection import load_segmentation_data
+from torchtitan.data.crops.selection import DataSettings, load_segmentation_data
 from torchtitan.data.volume_source import build_source
 from torchtitan.errors import ConfigError
-from torchtitan.data.crops.selection import DataSettings
 
 SECTIONS, SIDE = 20, 32
 

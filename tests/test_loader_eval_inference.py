@@ -10,10 +10,9 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops.layout import DatasetError
 from torchtitan.data.sampling.loader import GlobalBatchSampler, build_loader
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.crops.selection import load_segmentation_data, split_crops
+from torchtitan.data.crops.selection import DataSettings, load_segmentation_data, split_crops
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 from torchtitan.inference.sliding_window import WindowPlan, predict_volume, sliding_window
-from torchtitan.data.crops.selection import DataSettings
 
 
 def _take(sampler, n):

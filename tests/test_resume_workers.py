@@ -16,9 +16,9 @@ import torch
 from conftest import launch, read_jsonl
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sampling.loader import build_loader
+from torchtitan.checkpoint.convert import read_model_weights
+from torchtitan.data.crops.selection import DataSettings, load_segmentation_data
 from torchtitan.data.sampling.samples import build_segmentation_samples
-from torchtitan.data.crops.selection import load_segmentation_data
-from torchtitan.data.crops.selection import DataSettings
 
 SEG2D = "train_configs/debug_segmentation_2d.toml"
 PARALLELISM = {
@@ -33,8 +33,8 @@ def _tensors(batch) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(batch).items() if v is not None}
 
 
-def _args(data, dump, parallelism: str, workers: int) -> list[str]:
-    return ["--job.config_file", SEG2D, "--data.dataset_path", str(data),
+def _args(data, dump, parallelism: str, workers: int, *extra: str) -> list[str]:
+    return [*extra, "--job.config_file", SEG2D, "--data.dataset_path", str(data),
             "--job.dump_folder", str(dump), "--training.steps", "4", "--metrics.log_freq", "1",
             "--checkpoint.interval", "2", "--data.num_workers", str(workers),
             "--data.val_fraction", "0",  # no validation crops: nothing to evaluate, faster
@@ -88,6 +88,29 @@ def test_resume_reproduces_the_straight_run(demo_data, tmp_path, straight, paral
     for step in (3, 4):
         assert b[step]["loss"] == a[step]["loss"], step  # bit for bit
         assert b[step]["grad_norm"] == a[step]["grad_norm"], step
+
+
+@pytest.mark.distributed
+def test_the_weights_average_resumes_exactly(demo_data, tmp_path):
+    """``training.ema_decay``: the step-4 checkpoint of a run resumed after step 2 holds the
+    straight run's averaged weights (``model``) and trained weights (``train_model``), bit for
+    bit; the two differ (the average lags the weights)."""
+    ema = ("--training.ema_decay", "0.9")
+    full, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _ok(launch("train_segmentation.py", _args(demo_data, full, "fsdp", 0, *ema)))
+    _resume_from_step_2(full, resumed)
+    _ok(launch("train_segmentation.py", _args(demo_data, resumed, "fsdp", 0, *ema)))
+    a, b = _records(full), _records(resumed)
+    assert b[4]["loss"] == a[4]["loss"]
+    for part in ("model", "train_model"):
+        want = read_model_weights(full / "checkpoint" / "step-4", part)
+        got = read_model_weights(resumed / "checkpoint" / "step-4", part)
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), (part, k)
+    averaged = read_model_weights(full / "checkpoint" / "step-4")
+    trained = read_model_weights(full / "checkpoint" / "step-4", "train_model")
+    assert any(not torch.equal(averaged[k], trained[k]) for k in averaged)
 
 
 @pytest.mark.distributed

@@ -1,7 +1,8 @@
-"""Optimizer and learning-rate schedule."""
+"""Optimizer, learning-rate schedule and the weights' moving average."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -148,3 +149,78 @@ def _backbone_groups(optimizer: torch.optim.Optimizer, model) -> set[int]:
     backbone = {id(p) for n, p in model.named_parameters() if n.startswith(FROZEN_PREFIX)}
     return {i for i, g in enumerate(optimizer.param_groups)
             if any(id(p) in backbone for p in g["params"])}
+
+
+class WeightAverage:
+    """An exponential moving average of a model's weights (``training.ema_decay``), kept as
+    shards beside the model's own: each tensor of the model's state dict (DTensor shards under
+    FSDP / TP, plain tensors otherwise) has its average, updated after every applied optimizer
+    step as ``avg += (1 - d) * (w - avg)`` with ``d = min(decay, (1 + n) / (10 + n))`` after
+    ``n`` updates (the warm-up of timm's ``ModelEmaV3``: early averages follow the weights).
+    Integer buffers are copied, not averaged.
+
+    ``torch.optim.swa_utils.AveragedModel`` would deep-copy the module, which sharded modules
+    do not support, and hold a second model; this holds only the averaged tensors.
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"training.ema_decay = {decay}: must lie in (0, 1)")
+        self.decay = float(decay)
+        self.updates = 0
+        # The state dict's tensors share storage with the model's parameters and buffers,
+        # which optimizer steps update in place: read once, they follow the model.
+        self.live = get_model_state_dict(model)
+        self.avg = {k: v.detach().clone() for k, v in self.live.items()}
+        self._float = [k for k, v in self.live.items() if v.is_floating_point()]
+        self._other = [k for k in self.live if k not in set(self._float)]
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def decay_now(self) -> float:
+        """The decay of the next update (warmed up over the first updates)."""
+        return min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Average in the weights of an applied optimizer step."""
+        weight = 1.0 - self.decay_now()
+        torch._foreach_lerp_([self._local(self.avg[k]) for k in self._float],
+                             [self._local(self.live[k]) for k in self._float], weight)
+        for k in self._other:
+            self._local(self.avg[k]).copy_(self._local(self.live[k]))
+        self.updates += 1
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Averages equal to the weights now (averaging turned on at a resume)."""
+        for k, v in self.live.items():
+            self._local(self.avg[k]).copy_(self._local(v))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights, keyed as the model's state dict."""
+        return self.avg
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for k, v in state.items():
+            self._local(self.avg[k]).copy_(self._local(v))
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The averaged weights in the model for the duration (validation), the trained
+        ones back after."""
+        with torch.no_grad():
+            kept = {k: self._local(v).clone() for k, v in self.live.items()}
+            for k, v in self.live.items():
+                self._local(v).copy_(self._local(self.avg[k]))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in self.live.items():
+                    self._local(v).copy_(kept[k])

@@ -12,6 +12,7 @@ starts, identically on every rank, so a bad input makes every rank exit with the
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -40,7 +41,7 @@ from torchtitan.data.sampling.loader import build_loader
 from torchtitan.errors import USER_ERROR_EXIT, ConfigError, UserError
 from torchtitan.logging_metrics import MetricLogger, Throughput, report_user_error, setup_logging
 from torchtitan.models import resolve_attention_backend, use_attention
-from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.optimizer import WeightAverage, build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.parallelisms.parallelize import (
     DTYPES,
@@ -123,6 +124,7 @@ class Trainer:
         self.model: torch.nn.Module | None = None
         self.flops_per_sample = self.num_params = 0
         self.autocast = self.optimizer = self.lr_scheduler = self.loader = None
+        self.ema: WeightAverage | None = None  # training.ema_decay
         self.setup_started, self.nan_grad_steps = 0.0, set()
         self.state: TrainState | None = None
         self.checkpoint: CheckpointManager | None = None
@@ -206,11 +208,16 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg, self.model)
         self.state = TrainState(cfg.training.batch_size, self.dims.dp_degree)
+        self.ema = (WeightAverage(self.model, cfg.training.ema_decay)
+                    if cfg.training.ema_decay > 0 and not cfg.checkpoint.create_seed_checkpoint
+                    else None)
         self.checkpoint = CheckpointManager(cfg, self.model, self.optimizer, self.lr_scheduler,
-                                            self.state)
+                                            self.state, self.ema)
         if cfg.checkpoint.create_seed_checkpoint:
             return  # the caller saves the freshly initialised model and exits
         self.state.step = self.checkpoint.resume(plan)
+        if self.ema is not None:  # the updates so far: the applied optimizer steps
+            self.ema.updates = self.state.step - self.state.skipped_steps
         self._restore_best()
         if self.rank == 0 and _env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0:
             requeue_marker(cfg.job.dump_folder).unlink(missing_ok=True)  # a fresh launch
@@ -279,6 +286,8 @@ class Trainer:
         if not nonfinite:
             self.optimizer.step()
             self.lr_scheduler.step()
+            if self.ema is not None:
+                self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         global_sum = _all_reduce(loss_sum.detach().double().clone(), self.loss_mesh)
         return global_sum / global_count, grad_norm, nonfinite, stop, spent
@@ -348,7 +357,8 @@ class Trainer:
             writer=self.metrics.writer if self.rank == 0 else None,
             # Ranks of one tensor-parallel group hold the same data: one of them writes.
             writes_files=self.tp_rank == 0 and self.cp_rank == 0)
-        with torch.no_grad(), self.autocast:
+        averaged = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with torch.no_grad(), self.autocast, averaged:  # the averaged weights, if any
             scores = self.task.validate(module, ctx)
         self.model.train()
         scores["val/time_s"] = time.perf_counter() - t0

@@ -334,8 +334,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
-def read_model_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Every ``model.*`` tensor of a DCP checkpoint, as plain CPU tensors, without the prefix.
+def read_model_weights(path: str | os.PathLike, part: str = "model") -> dict[str, Tensor]:
+    """Every ``model.*`` tensor of a DCP checkpoint (``part.*``: e.g. ``train_model``, the
+    trained weights beside a moving average), as plain CPU tensors, without the prefix.
 
     DCP stores sharded (FSDP / DTensor) weights as pieces of one global tensor, and the
     metadata gives its size and dtype, so loading into empty tensors of that size gathers
@@ -345,13 +346,13 @@ def read_model_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     wanted = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        if key.startswith(f"{part}.") and isinstance(meta, TensorStorageMetadata)
     }
     if not wanted:
-        raise ConversionError(f"{path} holds no model.* weights")
+        raise ConversionError(f"{path} holds no {part}.* weights")
     with _single_process():
         dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
-    return {key[len("model."):]: t for key, t in sorted(wanted.items())}
+    return {key[len(part) + 1:]: t for key, t in sorted(wanted.items())}
 
 
 def select_weights(sd: dict[str, Tensor], what: str) -> dict[str, Tensor]:

@@ -98,7 +98,8 @@ class CheckpointManager:
     purging spares it, and :meth:`mark_best` writes it to ``best.json`` for people and tools.
     """
 
-    def __init__(self, cfg, model: torch.nn.Module, optimizer, lr_scheduler, train_state):
+    def __init__(self, cfg, model: torch.nn.Module, optimizer, lr_scheduler, train_state,
+                 ema=None):
         self.cfg = cfg.checkpoint
         self.enabled = self.cfg.enable_checkpoint
         self.folder = Path(cfg.job.dump_folder) / self.cfg.folder
@@ -107,6 +108,8 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         # Has state_dict() / load_state_dict() and best_step (None before the first best).
         self.train_state = train_state
+        # The weights' moving average (training.ema_decay), or None: see _state.
+        self.ema = ema
         self.pending = None  # (future, step) of an asynchronous save not yet finalised
         # Background saves coordinate through their own (gloo) process group, so that their
         # collectives never interleave with the training step's on the default group.
@@ -117,12 +120,18 @@ class CheckpointManager:
     # -- saving ---------------------------------------------------------------------------------
 
     def _state(self) -> dict:
-        return {
+        """What a step holds. With a moving average of the weights, ``model`` holds the
+        averaged weights (what prediction, export, seeds and fine-tuning read) and
+        ``train_model`` the trained ones, which only a resume reads."""
+        state = {
             "model": get_model_state_dict(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": self.train_state.state_dict(),
         }
+        if self.ema is not None:
+            state["train_model"], state["model"] = state["model"], self.ema.state_dict()
+        return state
 
     def should_save(self, step: int, last_step: bool) -> bool:
         return self.enabled and (last_step or step % self.cfg.interval == 0)
@@ -143,7 +152,8 @@ class CheckpointManager:
         _barrier()
         if model_only:
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.export_dtype]
-            weights = to_storage_layout(get_model_state_dict(self.model))
+            weights = to_storage_layout(get_model_state_dict(self.model) if self.ema is None
+                                        else self.ema.state_dict())
             state = {"model": {k: v.to(dtype) for k, v in weights.items()}}
         else:
             state = to_storage_layout(self._state())
@@ -298,15 +308,28 @@ class CheckpointManager:
             )
         if "optimizer" not in exclude:
             _init_optimizer_state(self.optimizer)
+        exclude = list(exclude) + (["train_model"] if "model" in exclude else [])
         own = {k: v for k, v in self._state().items() if k not in exclude}
         if "model" in own:
             check_stored_shapes(path, {f"model.{k}": v for k, v in own["model"].items()},
                                 "the checkpoint")
+        # A checkpoint with a moving average holds the trained weights as train_model.
+        averaged = "train_model" in stored
+        if "model" in own and self.ema is None and averaged:
+            own["train_model"] = own.pop("model")  # averaging off now: its averages are dropped
+        elif "model" in own and self.ema is not None and not averaged:
+            own["model"] = own.pop("train_model")  # averaging on now: it starts from the weights
         stored_layout = to_storage_layout(own)
         dcp.load(stored_layout, checkpoint_id=str(path))
         state = from_storage_layout(stored_layout, own)
-        if "model" in state:
+        if "train_model" in state:
+            set_model_state_dict(self.model, state["train_model"])
+            if self.ema is not None:
+                self.ema.load_state_dict(state["model"])
+        elif "model" in state:
             set_model_state_dict(self.model, state["model"])
+            if self.ema is not None:
+                self.ema.reset()
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         if "lr_scheduler" in state:

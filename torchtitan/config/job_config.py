@@ -112,6 +112,13 @@ class Training:
         "finished. The LR schedule still spans training.steps (with decay_type = 'constant' "
         "it does not matter where the run stops). For comparisons at equal wall-clock time "
         "(bench/quality.py --budget); 0 = none.", min=0)
+    ema_decay: float = opt(
+        0.0, "Exponential moving average of the weights (EMA), updated after every optimizer "
+        "step with this decay (warmed up as timm does: min(decay, (1 + n) / (10 + n)) after n "
+        "updates); 0 = none. With it, validation scores the averaged weights, and checkpoints "
+        "hold them as the model (what predict.py, exports, seeds and fine-tuning read) beside "
+        "the trained weights, from which training resumes.",
+        check=(lambda v: 0.0 <= v < 1.0, "must lie in [0, 1)"))
     max_skipped_steps: int = opt(
         5, "Stop the run after this many non-finite (NaN/Inf loss or gradient norm) steps in a "
         "row; each such step is skipped (no update).", min=1)
