@@ -471,6 +471,16 @@ def plot_label_efficiency(summary: dict[str, dict], fractions, out: Path) -> Pat
     """``out/label_efficiency.png``: mean IoU against the fraction of labels (log2 axis), one
     line per model through its seed means, each seed a dot; a model run at one fraction only
     (equal time) is a ring."""
+    return plot_series(summary, fractions, math.log2, "fraction of the training labels",
+                       "mean IoU on the validation crop", out / "label_efficiency.png")
+
+
+def plot_series(summary: dict[str, dict], xs_given, x_of, x_label: str, y_label: str,
+                path: Path, decimals: int = 1) -> Path:
+    """A PNG at ``path``: for each series of ``summary`` (``{name: {x: {"mean": m, "seeds":
+    [...]}}}``) a line through its means at ``x_of(x)``, each seed a dot; a series with one
+    point is a ring. ``xs_given``: the x values labelled on the axis; the y axis spans the
+    values in steps of ``10 ** -decimals``."""
     from PIL import Image, ImageDraw
 
     from torchtitan.pictures.drawing import default_font
@@ -479,11 +489,12 @@ def plot_label_efficiency(summary: dict[str, dict], fractions, out: Path) -> Pat
     font = default_font(13)
     img = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(img)
-    xs = [math.log2(f) for f in fractions]
+    xs = [x_of(f) for f in xs_given]
     values = [v for s in summary.values() for c in s.values() for v in (c["mean"], *c["seeds"])]
     finite = [v for v in values if math.isfinite(v)] or [0.0, 1.0]
-    lo, hi = math.floor(min(finite) * 10) / 10, math.ceil(max(finite) * 10) / 10
-    hi = hi if hi > lo else lo + 0.1
+    unit = 10.0 ** -decimals
+    lo, hi = math.floor(min(finite) / unit) * unit, math.ceil(max(finite) / unit) * unit
+    hi = hi if hi > lo else lo + unit
 
     def at(x: float, y: float) -> tuple[float, float]:
         span = (max(xs) - min(xs)) or 1.0
@@ -491,24 +502,24 @@ def plot_label_efficiency(summary: dict[str, dict], fractions, out: Path) -> Pat
                 height - bottom - (y - lo) / (hi - lo) * (height - top - bottom))
 
     draw.rectangle([left, top, width - right, height - bottom], outline=(90, 90, 90))
-    for k in range(int(round((hi - lo) * 10)) + 1):
-        y = lo + k / 10
+    for k in range(int(round((hi - lo) / unit)) + 1):
+        y = lo + k * unit
         _, py = at(min(xs), y)
         draw.line([left, py, width - right, py], fill=(225, 225, 225))
-        draw.text((left - 40, py - 7), f"{y:.1f}", fill="black", font=font)
-    for f, x in zip(fractions, xs):
+        draw.text((left - 45, py - 7), f"{y:.{decimals}f}", fill="black", font=font)
+    for f, x in zip(xs_given, xs):
         px, _ = at(x, lo)
         draw.text((px - 12, height - bottom + 8), str(f), fill="black", font=font)
-    draw.text((left, height - 22), "fraction of the training labels", fill="black", font=font)
-    draw.text((left, 8), "mean IoU on the validation crop", fill="black", font=font)
+    draw.text((left, height - 22), x_label, fill="black", font=font)
+    draw.text((left, 8), y_label, fill="black", font=font)
     for k, (name, cells) in enumerate(summary.items()):
         colour = PLOT_COLOURS[k % len(PLOT_COLOURS)]
-        points = [(at(math.log2(f), c["mean"]), c) for f, c in sorted(cells.items())]
+        points = [(at(x_of(f), c["mean"]), c) for f, c in sorted(cells.items())]
         if len(points) > 1:
             draw.line([p for p, _ in points], fill=colour, width=3)
         for (px, py), c in points:
             for v in c["seeds"]:
-                _, sy = at(0, v)
+                _, sy = at(min(xs), v)
                 draw.ellipse([px - 3, sy - 3, px + 3, sy + 3], fill=colour)
             r = 6
             draw.ellipse([px - r, py - r, px + r, py + r], outline=colour, width=2,
@@ -516,7 +527,7 @@ def plot_label_efficiency(summary: dict[str, dict], fractions, out: Path) -> Pat
         ly = top + 10 + 22 * k
         draw.line([width - right + 15, ly + 7, width - right + 40, ly + 7], fill=colour, width=3)
         draw.text((width - right + 46, ly), name, fill="black", font=font)
-    path = out / "label_efficiency.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return path
 
