@@ -46,7 +46,8 @@ from itertools import combinations, product
 import numpy as np
 import torch
 
-from torchtitan.cellmap.affinities import AffinitySpec, channel_offsets, config_outputs
+from torchtitan.cellmap.affinities import (AffinitySpec, channel_offsets, config_outputs,
+                                           output_channels)
 from torchtitan.choices import PLANES, is_isotropic
 from torchtitan.models import predict_probabilities
 
@@ -574,15 +575,20 @@ class VolumePredictor:
                     batch_size: int | None = None, num_outputs: int | None = None,
                     **options) -> VolumePredictor:
         """The run's ``[inference]`` window plan for ``model``; the keyword arguments override
-        it (``predict.py``'s flags). ``num_outputs``: the model's output channels, when the
-        caller knows them (default: those of the config, classes and affinities)."""
+        it (``predict.py``'s flags). ``num_outputs`` and ``channel_offsets``: the model's output
+        channels and their offsets, when the caller knows them (the task, which owns its
+        channel layout); by default those of the config, classes and affinities."""
         inf = cfg.inference
-        outputs = config_outputs(cfg)
-        spec = AffinitySpec.from_config(cfg)
-        if spec.classes and num_outputs in (None, len(outputs)):
-            options.setdefault("channel_offsets", channel_offsets(cfg.data.classes, spec))
+        if "channel_offsets" not in options:
+            spec = AffinitySpec.from_config(cfg)
+            outputs = output_channels(cfg.data.classes, spec)
+            if spec.classes and num_outputs in (None, len(outputs)):
+                options["channel_offsets"] = channel_offsets(cfg.data.classes, spec)
+            num_outputs = num_outputs or len(outputs)
+        elif num_outputs is None:
+            num_outputs = len(config_outputs(cfg))
         return cls(model, cfg.model.loss, device, tuple(cfg.model.crop_size),
-                   num_outputs or len(outputs), cfg.model.in_chans, overlap=inf.overlap,
+                   num_outputs, cfg.model.in_chans, overlap=inf.overlap,
                    blend=inf.blend, batch_size=batch_size or inf.batch_size,
                    tta_flips=inf.tta_flips if tta_flips is None else tta_flips,
                    planes=planes or inf.planes, voxel_size=tuple(cfg.data.voxel_size),

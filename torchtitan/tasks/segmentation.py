@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.cellmap.affinities import AffinitySpec, output_channels, split_outputs
+from torchtitan.cellmap.affinities import (AffinitySpec, channel_offsets, output_channels,
+                                           split_outputs)
 from torchtitan.data.sampling.batch import Batch
 from torchtitan.data.volume_source import READ_ERRORS, CropVolume, VolumeSource, build_source
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
@@ -82,6 +83,10 @@ class SegmentationTask(TaskBase):
         # The model's outputs: the classes, then the affinities of [affinities] (if any).
         self.affinities = AffinitySpec.from_config(cfg)
         self.channels = output_channels(cfg.data.classes, self.affinities)
+        # Per output channel, its affinity offset (None for a class): how test-time flips
+        # realign it; None without affinities.
+        self.channel_offsets = (channel_offsets(cfg.data.classes, self.affinities)
+                                if len(self.affinities) else None)
         self._loss: Loss | None = None  # model.loss with its class weights (loss_terms)
 
     # -- data -----------------------------------------------------------------------------------
@@ -155,7 +160,8 @@ class SegmentationTask(TaskBase):
         crops = self.source.val_crops
         mine = range(ctx.dp_rank, len(crops), ctx.dp_degree)  # this rank's crops, by position
         predictor = VolumePredictor.from_config(model, cfg, ctx.device,
-                                                num_outputs=len(self.channels))
+                                                num_outputs=len(self.channels),
+                                                channel_offsets=self.channel_offsets)
         # Sharded models need the same number of forwards on every rank: count them first.
         forwards = {i: predictor.forward_count(self.source.grid(crops[i])[1]) for i in mine}
         calls = sum(forwards.values())
