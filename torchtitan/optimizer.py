@@ -175,7 +175,7 @@ class WeightAverage:
         self.live = get_model_state_dict(model)
         self.avg = {k: v.detach().clone() for k, v in self.live.items()}
         self._float = [k for k, v in self.live.items() if v.is_floating_point()]
-        self._other = [k for k in self.live if k not in set(self._float)]
+        self._other = [k for k, v in self.live.items() if not v.is_floating_point()]
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
