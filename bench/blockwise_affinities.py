@@ -16,7 +16,8 @@ process of its own whose peak resident memory is read back (``ru_maxrss``):
   the path of ``predict.py --instances``, reading and writing B^3 blocks from zarr.
 
 ``--bytes`` rounds the affinities to 1/255 before cutting (what a store of bytes held);
-``--basin-halo H`` gives the graph cuts' blocks H voxels of context for their basins.
+``--basin-halo H`` gives the graph cuts' blocks H voxels of context for their basins;
+``--mutex-halo H`` and ``--mutex-join graph|overlap`` set the pixel cut's context and join.
 
 Each row gives the share of voxels on which the blockwise ids agree with the whole region's
 once matched one to one (:func:`torchtitan.scoring.neuron_metrics.matching_agreement`), both
@@ -84,6 +85,10 @@ def worker(args) -> None:
 
     if args.basin_halo is not None:
         blockwise_affinities.BASIN_HALO = args.basin_halo
+    if args.mutex_halo is not None:
+        blockwise_affinities.MUTEX_HALO = args.mutex_halo
+    if args.mutex_join:
+        blockwise_affinities.MUTEX_JOIN = args.mutex_join
     region = zarr.open_group(args.region, mode="r")
     names, offsets = channels(Path(args.region), args.cls)
     arrays = [region[f"{n}/s0"] for n in names]
@@ -130,6 +135,10 @@ def run_worker(args, what: str, cut: str, ids_out: Path) -> dict:
         cmd += ["--bytes"]
     if args.basin_halo is not None:
         cmd += ["--basin-halo", str(args.basin_halo)]
+    if args.mutex_halo is not None:
+        cmd += ["--mutex-halo", str(args.mutex_halo)]
+    if args.mutex_join:
+        cmd += ["--mutex-join", args.mutex_join]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -156,6 +165,11 @@ def main(argv=None) -> int:
                    help="round the affinities to 1/255 first (as stores of bytes held them)")
     p.add_argument("--basin-halo", type=int, help="voxels of context for a block's basins "
                    "(default: blockwise_affinities.BASIN_HALO)")
+    p.add_argument("--mutex-halo", type=int, help="voxels of context for a block's pixel mutex "
+                   "watershed, at least the offsets' reach (default: "
+                   "blockwise_affinities.MUTEX_HALO)")
+    p.add_argument("--mutex-join", choices=["graph", "overlap"], help="how the pixel cut's "
+                   "blocks are joined (default: blockwise_affinities.MUTEX_JOIN)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--ids-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -7,10 +7,11 @@ trainer) gathered per model and budget, as a table and a plot.
 
 Each ``--series NAME=MINUTES:RUN,RUN;MINUTES:RUN,...`` names one model's runs (dump folders)
 at each budget in minutes of training. A run's score is the last record holding ``--metric``
-in its ``logs/metrics.jsonl`` (the final validation). It trains nothing: the runs say how they
-were made (see BENCHMARKS.md for their commands). Prints a markdown table (each seed, the
-mean and the spread of the seeds per budget) and draws the means against minutes, each seed a
-dot (``bench/quality.py``'s plot).
+in its ``logs/metrics.jsonl`` (the final validation); a run given as ``=VALUE`` is a score an
+earlier run recorded (BENCHMARKS.md gives its command) whose folder is not at hand. It trains
+nothing: the runs say how they were made (see BENCHMARKS.md for their commands). Prints a
+markdown table (each seed, the mean and the spread of the seeds per budget) and draws the
+means against minutes, each seed a dot (``bench/quality.py``'s plot).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from quality import plot_series
 
 
 def final_score(run: Path, metric: str) -> float:
-    """The last value of ``metric`` that the run logged (its final validation)."""
+    """The last value of ``metric`` that the run logged (its final validation); ``=VALUE``:
+    that value, recorded earlier."""
+    if str(run).startswith("="):
+        try:
+            return float(str(run)[1:])
+        except ValueError:
+            raise SystemExit(f"{run}: a recorded score is =NUMBER, e.g. =1.856") from None
     path = run / "logs" / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{run}: no logs/metrics.jsonl; is it a finished run's dump folder?")

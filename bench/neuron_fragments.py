@@ -17,7 +17,10 @@ are scored by validation's own code, as in ``bench/neuron_cuts.py``:
   (waterz's ``aff_threshold_high``);
 * ``seeded>F``: a seeded watershed (scikit-image) of ``1 - mean face affinity``, seeded at the
   local maxima (3 voxels across) of the distance to the voxels whose mean face affinity is at
-  most ``F`` (the rule of lsd's fragments).
+  most ``F`` (the rule of lsd's fragments);
+* ``basins<N``: the basins, each under ``N`` voxels joined to the neighbour it shares the
+  highest mean face affinity with (decided once per basin, so no two basins of ``N`` voxels or
+  more are joined): the small basins that make most of the graph, gone.
 
 Each row: fragments, region-graph edges and the graph's tables in MiB (``int64`` u, v, sum,
 count per edge), the seconds of the fragments and the cut, VOI split / merge, ARAND and the
@@ -43,7 +46,40 @@ from torchtitan.postprocess.affinities import (_check, _quiet_stdout, affinity_i
 from torchtitan.postprocess.masks import PostProcessing, clean_mask, postprocess
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
 
-RULES = ("basins", "basins>0.99", "basins>0.95", "seeded>0.5", "seeded>0.9")
+RULES = ("basins", "basins>0.99", "basins>0.95", "seeded>0.5", "seeded>0.9", "basins<64",
+         "basins<512")
+
+
+def absorb_small_basins(frag: np.ndarray, affinities: np.ndarray, offsets, min_voxels: int
+                        ) -> np.ndarray:
+    """``frag`` with every fragment under ``min_voxels`` joined to the neighbour it shares
+    the highest mean face affinity with (each decided once, on the fragments as given, so a
+    chain of small fragments ends at one large fragment or a pair of small ones: no two large
+    fragments are joined)."""
+    import scipy.sparse
+    import scipy.sparse.csgraph
+
+    graph, named = region_graph(affinities, offsets, frag)
+    u, v, s, c = graph.near
+    mean = s / np.maximum(c, 1)
+    ui, vi = np.searchsorted(graph.names, u), np.searchsorted(graph.names, v)
+    n = len(graph.names)
+    # each node's best neighbour: edges in both directions, sorted by (node, -mean, partner)
+    node = np.concatenate([ui, vi])
+    other = np.concatenate([vi, ui])
+    score = np.concatenate([mean, mean])
+    order = np.lexsort((other, -score, node))
+    node, other = node[order], other[order]
+    first = np.flatnonzero(np.concatenate([[True], node[1:] != node[:-1]]))
+    best = np.full(n, -1)
+    best[node[first]] = other[first]
+    small = (graph.sizes < min_voxels) & (best >= 0)
+    rows = np.flatnonzero(small)
+    link = scipy.sparse.coo_matrix((np.ones(len(rows)), (rows, best[rows])), shape=(n, n))
+    _, label = scipy.sparse.csgraph.connected_components(link, directed=False)
+    lookup = np.zeros(int(named.max()) + 1, np.uint64)
+    lookup[graph.names] = label + 1
+    return lookup[named]
 
 
 def fragments(rule: str, affinities: np.ndarray, offsets) -> np.ndarray:
@@ -58,6 +94,9 @@ def fragments(rule: str, affinities: np.ndarray, offsets) -> np.ndarray:
                 waterz_affinities(affinities, offsets), thresholds=[0.0],
                 aff_threshold_high=float(value) if value else 0.9999)))
         return ids[0] if affinities.ndim == 3 else ids
+    if rule.startswith("basins<"):
+        return absorb_small_basins(fragments("basins", affinities, offsets), affinities,
+                                   offsets, int(rule.partition("<")[2]))
     if kind == "seeded":
         import skimage.segmentation
 

@@ -318,8 +318,8 @@ def test_graph_cuts_take_given_fragments():
 
 def test_fragment_rules_of_the_fragments_bench(monkeypatch):
     """``bench/neuron_fragments.py``'s rules: every rule covers the volume; on clean
-    affinities no fragment of the basin rules straddles two objects; an unknown rule is
-    refused by name."""
+    affinities no fragment of the basin rules straddles two objects, and one that absorbs
+    small basins holds at most one of the others; an unknown rule is refused by name."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     bench = script_module("bench/neuron_fragments.py")
     ids = three_objects()
@@ -328,7 +328,14 @@ def test_fragment_rules_of_the_fragments_bench(monkeypatch):
     for rule in bench.RULES:
         frag = bench.fragments(rule, aff, LONG)
         assert frag.shape == ids.shape and (frag > 0).all(), rule
-        if rule.startswith("basins"):
+        if "<" in rule:  # small basins join a neighbour, so small objects may go too
+            basins = bench.fragments("basins", aff, LONG)
+            values, sizes = np.unique(basins, return_counts=True)
+            large = np.isin(basins, values[sizes >= int(rule.partition("<")[2])])
+            pairs = np.unique(np.stack([frag[large], basins[large]]), axis=1)
+            assert len(np.unique(pairs[0])) == pairs.shape[1], rule
+            assert len(np.unique(frag)) < len(values), rule
+        elif rule.startswith("basins"):
             pairs = np.unique(np.stack([frag.ravel(), ids.ravel()]), axis=1)
             assert len(np.unique(pairs[0])) == pairs.shape[1], rule
     with pytest.raises(ValueError, match="fragment rule 'nope'"):

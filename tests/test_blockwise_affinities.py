@@ -81,6 +81,24 @@ def test_blocks_match_the_whole_volume(region, tmp_path, cut):
                 np.testing.assert_array_equal(kept[f"{kind}_{i}"], column)
 
 
+@pytest.mark.parametrize("join", ["overlap", "graph"])
+def test_the_pixel_cuts_joins_with_little_context(region, tmp_path, monkeypatch, join):
+    """The pixel cut's two joins of its blocks (``MUTEX_JOIN``), each block cut with less
+    context than the region (``MUTEX_HALO``): stitched where their objects overlap on the
+    faces, or joined by the graph's mutex watershed."""
+    from torchtitan.postprocess import blockwise_affinities
+
+    ids, aff = region
+    monkeypatch.setattr(blockwise_affinities, "MUTEX_JOIN", join)
+    monkeypatch.setattr(blockwise_affinities, "MUTEX_HALO", 12 if join == "overlap" else 0)
+    pp = PostProcessing(affinity_cut="mutex", min_object_nm3=2e5)
+    whole, _ = affinity_instances(aff, OFFSETS, "mutex", (10, 10, 10), min_object_nm3=2e5)
+    many = blockwise(aff, (10, 16, 16), pp, tmp_path / "many")
+    assert many.max() == len(np.unique(many)) and many.min() >= 1
+    assert matching_agreement(many, whole) >= 0.99
+    assert matching_agreement(many, ids) > 0.98
+
+
 def test_ranks_share_the_work_and_agree(region, tmp_path):
     """Two ranks on one store (run one after the other, the barrier a no-op between them)
     give what one rank gives: each step is written by its owner and read back by all."""

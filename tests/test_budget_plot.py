@@ -34,5 +34,10 @@ def test_the_table_takes_each_runs_final_score_and_the_plot_is_drawn(tmp_path, c
     assert "| ours | 24 | 0.700 | **0.700** | 0.000 |" in text
     assert "| unet | 8 | 0.550 | **0.550** | 0.000 |" in text
     assert Image.open(out).size == (720, 440)
+    # a score recorded by an earlier run, beside a run's folder
+    assert plot.main(["--series", f"unet=8:{u8},=0.45"]) == 0
+    assert "| unet | 8 | 0.550 / 0.450 | **0.500** | 0.100 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="=NUMBER"):
+        plot.main(["--series", "unet=8:=high"])
     with pytest.raises(SystemExit, match="no logs/metrics.jsonl"):
         plot.main(["--series", f"ours=8:{tmp_path / 'missing'}"])

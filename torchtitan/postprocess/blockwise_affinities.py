@@ -7,22 +7,22 @@ blockwise pipelines use (lsd, volara), spread over the ranks:
 1. **Fragments** (per block): each block is read with a halo and cut by the method's first
    stage: for the graph cuts (``agglomerate``, ``mutex_graph``) the watershed basins of the
    face-neighbour affinities, with a halo of at least :data:`BASIN_HALO` voxels; for
-   ``mutex`` the block's own mutex watershed, with a halo as wide as the longest offset. The
+   ``mutex`` the block's own mutex watershed, with a halo of :data:`MUTEX_HALO` voxels. The
    block's own part is kept, numbered block-unique (block ``k`` owns ids ``k * capacity + 1
-   ...``), and for the graph cuts the block also keeps, for each face it shares with a later
-   block, its basins on that block's first plane.
+   ...``), and the block also keeps, for each face it shares with a later block, its
+   fragments on that block's first plane.
 2. **Region graph** (per block): the edges of :func:`torchtitan.postprocess.region_graph.block_edges`
    from each of the block's voxels to its partners at every offset (in this block or another),
-   each fragment's size and name (the raster index of its first voxel), and, for the graph
-   cuts, the **stitches**: a basin of this block and one of the next block along a face are
-   one basin cut by the face when, on the plane both saw, their overlap is most of either.
+   each fragment's size and name (the raster index of its first voxel), and the
+   **stitches**: a fragment of this block and one of the next block along a face are one
+   fragment cut by the face when, on the plane both saw, their overlap is most of either.
 3. **One agglomeration** (rank 0; the graph is small beside the volume): stitched basins
    become one fragment, named by its first voxel, the graph is kept (``graph.npz`` in the
    step's tables: names, sizes, ``near_*`` and ``far_*`` edge tables) and goes through
    :func:`torchtitan.postprocess.region_graph.agglomerate_graph`, the function the whole-volume
-   graph cuts call. For ``mutex`` two fragments of one block stay apart (the block's mutex
-   watershed saw every voxel edge between them) and fragments of different blocks are joined
-   or kept apart by their mean affinities.
+   graph cuts call. For ``mutex`` the stitched objects are the objects (only small ones are
+   absorbed); with :data:`MUTEX_JOIN` ``graph`` they are joined instead by the graph's mutex
+   watershed, two fragments of one block kept apart.
 4. **Relabelling** (per block): fragment ids through the table, 0 outside the class's mask.
 
 **Which cuts match the whole volume.** The graph cuts agree with the whole-volume run wherever
@@ -30,13 +30,14 @@ the stitched basins agree with the whole volume's basins: the graph is then the 
 bit (:mod:`torchtitan.postprocess.region_graph`), and so are the objects. A watershed basin
 depends on the affinities near it only: with :data:`BASIN_HALO` voxels of context, blocks of
 32^3 to 128^3 give the whole medulla validation crop's objects exactly (BENCHMARKS.md). The
-pixel ``mutex`` cut has no such locality: its decisions near a block's face depend on edges
-far beyond any halo, and there 70-90 % of the voxels keep their whole-volume object; choose
-``mutex_graph`` where blockwise ids must be the whole volume's. The price of the graph cuts is
-step 3's memory: basins are small (about nine voxels on the medulla model, three graph edges
-per voxel), so the graph that one process agglomerates grows with the region, where the pixel
-cut's memory is set by the block. Every step writes its own output and is repeated whole when
-run again, so a killed run is simply run again.
+pixel ``mutex`` cut has no such locality: it takes the edges in one global order, so a
+decision near a block's face can hinge on edges far beyond any halo; with 48 voxels of context
+79-99 % of the voxels keep their whole-volume object, and the neurons score as well against
+the truth; choose ``mutex_graph`` where blockwise ids must be the whole volume's. The price
+of the graph cuts is step 3's memory: basins are small (about nine voxels on the medulla
+model, three graph edges per voxel), so the graph that one process agglomerates grows with
+the region, where the pixel cut's memory is set by the block. Every step writes its own
+output and is repeated whole when run again, so a killed run is simply run again.
 
 Floor 3: numpy, scipy, zarr, mwatershed and waterz, beside :mod:`torchtitan.postprocess.blockwise`.
 """
@@ -64,12 +65,23 @@ MaskReader = Callable[[tuple, tuple], np.ndarray]
 # whole crop's objects with the offsets' own reach (9 voxels) already (BENCHMARKS.md); 24 is a
 # margin for affinities with wider plateaus.
 BASIN_HALO = 24
+# The pixel ``mutex`` cut's blocks: their context (MUTEX_HALO voxels, at least the offsets'
+# reach) and how their objects are joined: ``overlap`` (stitched like basins, each stitched
+# object kept whole) or ``graph`` (the graph mutex watershed of their mean affinities, two
+# objects of one block kept apart). On the medulla model ``overlap`` with 48 voxels cuts
+# neurons as good as the whole volume's (VOI 1.71 in blocks of 64^3, 1.80 whole) where
+# ``graph`` with the offsets' reach loses 0.3 bits, and keeps more voxels' whole-volume neuron
+# (79-99 % against 76-86 %), for 2-5x the memory of a block (BENCHMARKS.md, "The affinity
+# cut block by block").
+MUTEX_JOIN = "overlap"
+MUTEX_HALO = 48
 TABLES = ("near", "far")
 
 
 def _stitched(pp: PostProcessing) -> bool:
-    """Whether the cut's fragments are watershed basins, stitched across block faces."""
-    return pp.affinity_cut != "mutex"
+    """Whether the cut's fragments are stitched across block faces: watershed basins, or the
+    pixel cut's objects joined by ``overlap``."""
+    return pp.affinity_cut != "mutex" or MUTEX_JOIN == "overlap"
 
 
 def _fragments(affinities: np.ndarray, offsets, pp: PostProcessing, origin) -> np.ndarray:
@@ -124,8 +136,7 @@ def _fragment_blocks(read_affinities: AffinityReader, offsets, blocks: Blocks,
     first plane of each later neighbour into ``faces``."""
     ndim, shape = len(blocks.shape), blocks.shape
     halo = [max(abs(o[a]) for o in offsets) for a in range(ndim)]
-    if _stitched(pp):
-        halo = [max(h, BASIN_HALO) for h in halo]
+    halo = [max(h, MUTEX_HALO if pp.affinity_cut == "mutex" else BASIN_HALO) for h in halo]
     for k in ranks.mine(len(blocks)):
         lo, hi = blocks.box(k)
         olo = tuple(max(0, l - h) for l, h in zip(lo, halo))
@@ -188,8 +199,11 @@ def _agglomerate_blocks(blocks: Blocks, voxel_size, pp: PostProcessing, tables) 
                         for p in parts) for kind in TABLES))
     np.savez(tables / "graph.npz", names=graph.names, sizes=graph.sizes,
              **{f"{kind}_{i}": a for kind in TABLES for i, a in enumerate(getattr(graph, kind))})
-    apart = None
-    if pp.affinity_cut == "mutex":  # each name is one block's fragment: apart in one block
+    apart, method = None, pp.affinity_cut
+    if method == "mutex" and _stitched(pp):
+        method = "keep"  # the stitched objects are the objects
+    elif method == "mutex":  # each name is one block's fragment: apart in one block
+        method = "mutex_graph"
         block_of = np.zeros(len(graph_names), np.int64)
         block_of[inverse] = ids // blocks.capacity
 
@@ -198,7 +212,7 @@ def _agglomerate_blocks(blocks: Blocks, voxel_size, pp: PostProcessing, tables) 
                     == block_of[np.searchsorted(graph_names, v)])
 
     number = agglomerate_graph(
-        graph, "mutex_graph" if pp.affinity_cut == "mutex" else pp.affinity_cut,
+        graph, method,
         threshold_nearest=pp.mutex_threshold_nearest, threshold_long=pp.mutex_threshold_long,
         agglomerate_threshold=pp.agglomerate_threshold,
         min_voxels=min_object_voxels(pp.min_object_nm3, voxel_size), apart=apart)

@@ -276,10 +276,12 @@ def agglomerate_graph(graph: RegionGraph, method: str, *, threshold_nearest: flo
                       apart=None) -> np.ndarray:
     """Object ids (uint32, 1..n, numbered in the order of their first fragment's name: the
     raster order of their first voxel) of ``graph.names`` by ``method``: ``agglomerate``
-    (mean face-neighbour affinity above ``agglomerate_threshold``) or a mutex watershed
-    (``mutex`` / ``mutex_graph``, ``apart``: :func:`mutex_graph`); then small objects
-    absorbed."""
-    if method == "agglomerate":
+    (mean face-neighbour affinity above ``agglomerate_threshold``), a mutex watershed
+    (``mutex`` / ``mutex_graph``, ``apart``: :func:`mutex_graph`) or ``keep`` (each fragment
+    an object); then small objects absorbed."""
+    if method == "keep":
+        root = {int(n): int(n) for n in graph.names.tolist()}
+    elif method == "agglomerate":
         root = mean_affinity_agglomeration(graph.names.tolist(), _edges(graph.near),
                                            agglomerate_threshold * QUANTUM)
     else:
