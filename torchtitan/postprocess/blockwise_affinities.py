@@ -50,6 +50,7 @@ import numpy as np
 import scipy.sparse
 import scipy.sparse.csgraph
 
+from torchtitan.cellmap.affinities import is_nearest
 from torchtitan.postprocess.affinities import basins, mutex_watershed
 from torchtitan.postprocess.blockwise_labels import (Blocks, Ranks, box_slices, fresh_tables,
                                                     inner_slices)
@@ -155,15 +156,15 @@ def _fragment_blocks(read_affinities: AffinityReader, offsets, blocks: Blocks,
 
 
 def _graph_blocks(read_affinities: AffinityReader, read_fragments, offsets, blocks: Blocks,
-                  ranks: Ranks, faces, tables) -> None:
-    """Step 2: each block's edges, fragments (ids, names, sizes) and stitches into
-    ``tables``."""
+                  ranks: Ranks, faces, tables, channels: list[int]) -> None:
+    """Step 2: each block's edges along the offsets of ``channels``, fragments (ids, names,
+    sizes) and stitches into ``tables``."""
     ndim, shape = len(blocks.shape), blocks.shape
     for k in ranks.mine(len(blocks)):
         lo, hi = blocks.box(k)
         here = read_fragments(lo, hi)
-        edges = block_edges(here, lo, hi, read_fragments, read_affinities(lo, hi), offsets,
-                            shape)
+        edges = block_edges(here, lo, hi, read_fragments, read_affinities(lo, hi)[channels],
+                            [offsets[i] for i in channels], shape)
         ids, names, sizes = first_voxels(here, lo, shape)
         views = np.load(faces / f"{k}.npz")
         stitches = [_stitches(views[f"axis{a}"], read_fragments(*_face((lo, hi), a, hi[a])))
@@ -239,7 +240,11 @@ def affinity_ids_blockwise(read_affinities: AffinityReader, offsets, inside: Mas
     _fragment_blocks(read_affinities, offsets, blocks, pp, ranks, scratch, faces)
     ranks.barrier()
     tables = fresh_tables(work, f"{name}.graph", ranks)
-    _graph_blocks(read_affinities, read_fragments, offsets, blocks, ranks, faces, tables)
+    # the stitched pixel cut keeps its objects: only their face contacts (small objects) count
+    keep = pp.affinity_cut == "mutex" and _stitched(pp)
+    channels = [i for i, o in enumerate(offsets) if is_nearest(o) or not keep]
+    _graph_blocks(read_affinities, read_fragments, offsets, blocks, ranks, faces, tables,
+                  channels)
     ranks.barrier()
     if ranks.rank == 0:
         _agglomerate_blocks(blocks, voxel_size, pp, tables)
