@@ -156,15 +156,19 @@ def _fragment_blocks(read_affinities: AffinityReader, offsets, blocks: Blocks,
 
 
 def _graph_blocks(read_affinities: AffinityReader, read_fragments, offsets, blocks: Blocks,
-                  ranks: Ranks, faces, tables, channels: list[int]) -> None:
-    """Step 2: each block's edges along the offsets of ``channels``, fragments (ids, names,
-    sizes) and stitches into ``tables``."""
+                  ranks: Ranks, faces, tables, channels: list[int] | None = None) -> None:
+    """Step 2: each block's edges along the offsets of ``channels`` (None: every offset),
+    fragments (ids, names, sizes) and stitches into ``tables``."""
+    if channels is not None:
+        offsets = [offsets[i] for i in channels]
     ndim, shape = len(blocks.shape), blocks.shape
     for k in ranks.mine(len(blocks)):
         lo, hi = blocks.box(k)
         here = read_fragments(lo, hi)
-        edges = block_edges(here, lo, hi, read_fragments, read_affinities(lo, hi)[channels],
-                            [offsets[i] for i in channels], shape)
+        affinities = read_affinities(lo, hi)
+        if channels is not None:  # a copy of the block, only where channels are left out
+            affinities = affinities[channels]
+        edges = block_edges(here, lo, hi, read_fragments, affinities, offsets, shape)
         ids, names, sizes = first_voxels(here, lo, shape)
         views = np.load(faces / f"{k}.npz")
         stitches = [_stitches(views[f"axis{a}"], read_fragments(*_face((lo, hi), a, hi[a])))
@@ -242,7 +246,7 @@ def affinity_ids_blockwise(read_affinities: AffinityReader, offsets, inside: Mas
     tables = fresh_tables(work, f"{name}.graph", ranks)
     # the stitched pixel cut keeps its objects: only their face contacts (small objects) count
     keep = pp.affinity_cut == "mutex" and _stitched(pp)
-    channels = [i for i, o in enumerate(offsets) if is_nearest(o) or not keep]
+    channels = [i for i, o in enumerate(offsets) if is_nearest(o)] if keep else None
     _graph_blocks(read_affinities, read_fragments, offsets, blocks, ranks, faces, tables,
                   channels)
     ranks.barrier()
