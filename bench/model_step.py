@@ -29,7 +29,7 @@ Cases (--cases):
       (the same backbone, features of four blocks, 1x1 conv to 4 classes, trilinear upsampling
       to 96^3, loss = mean square of the logits), for what the head costs; its logits are
       upsampled and reduced slab by slab as the trainer's loss takes them (``Loss.resized``,
-      the derivative written out).
+      the derivative written out and sent to the grid in the forward pass).
       "ours+linear, bce" is that model with the trainer's default loss (BCE against random
       0/1 targets, per-voxel validity), the step a user's training runs. With --multiscale,
       also "ours+multiscale": the backbone with the multiscale head (default widths), loss =
@@ -153,10 +153,11 @@ def our_extras(vit) -> str:
 def mean_square_of_resized(model: SegmentationModel, x: torch.Tensor) -> torch.Tensor:
     """Mean square of the model's logits resized to the input's size, the way the trainer
     takes its loss on them: slab by slab from the patch grid, with the derivative written out
-    for the backward pass, as for the trainer's sigmoid losses (``Loss.resized``)."""
+    and sent to the grid in the forward pass, as for the trainer's sigmoid losses
+    (``Loss.resized``)."""
     logits = model(x, resize=False)
     (sq,) = slab_statistics(lambda z, t, v: (z.square().sum(),), logits, x.shape[2:],
-                            gradient=lambda z, t, v, g: z.mul(2 * g[0]))
+                            derivatives=lambda z, t, v: ((z.square().sum(),), (2 * z,)))
     return sq / (logits.shape[0] * logits.shape[1] * x[0, 0].numel())
 
 

@@ -556,6 +556,40 @@ def test_slab_statistics_keep_no_full_resolution_tensor_for_the_backward():
     torch.testing.assert_close(low.grad, grad, rtol=1e-4, atol=1e-4)
 
 
+def test_slab_pass_with_derivatives_computes_each_slab_once(monkeypatch):
+    """Given the sums' per-voxel derivatives, the forward pass sends them to the grid as it
+    goes: each slab is computed once (no statistics recomputed in the backward pass), and
+    the gradient is autograd's of the whole resized logits. Without gradients only the
+    statistics run."""
+    from torchtitan.models import resize
+
+    size = (12, 10, 9)
+    monkeypatch.setitem(resize.SLAB_ELEMENTS, "cpu", 2 * 3 * 3 * 10 * 9)  # 3 rows: 4 slabs
+    calls = []
+
+    def statistics(z, t, v):
+        calls.append("statistics")
+        return (z.square().sum(dim=(2, 3, 4)), (z > 0).sum(dim=(1, 2, 3, 4)))
+
+    def derivatives(z, t, v):
+        calls.append("derivatives")
+        return statistics(z, t, v), (2 * z, None)
+
+    low = torch.randn(2, 3, 3, 4, 5, requires_grad=True)
+    sq, positive = resize.slab_statistics(statistics, low, size, derivatives=derivatives)
+    weights = torch.randn(2, 3)
+    (sq * weights).sum().backward()
+    assert calls == ["derivatives", "statistics"] * 4 and not positive.requires_grad
+    whole = resize.resize_linear(low, size)
+    torch.testing.assert_close(sq, whole.square().sum(dim=(2, 3, 4)), rtol=1e-5, atol=1e-5)
+    grad, = torch.autograd.grad((whole.square().sum(dim=(2, 3, 4)) * weights).sum(), low)
+    assert (low.grad - grad).abs().max() <= 1e-5 * grad.abs().max()
+    calls.clear()
+    with torch.no_grad():
+        resize.slab_statistics(statistics, low, size, derivatives=derivatives)
+    assert calls == ["statistics"] * 4
+
+
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_linear_head_on_tokens_is_its_1x1_convolution_on_the_feature_maps(ndim):
     """The linear head applies its 1x1 convolution to the tokens as a linear layer; the

@@ -89,41 +89,35 @@ def _over(x: Tensor, first: int) -> Tensor:
     return x.sum(dim=tuple(range(first, x.dim())))
 
 
-def _multilabel_statistics(logits, targets, valid, class_weights, bce=True, dice=True):
+def _multilabel_statistics(logits, targets, valid, class_weights, bce=True, dice=True,
+                           derivatives=False):
     """Sums of the sigmoid losses: with ``bce``, the weighted BCE over each sample's valid
     entries and their number, (B,) each; with ``dice``, per (sample, class) pair over its valid
     voxels, sum(p t), sum(p), sum(t) of the probabilities p and the number of valid voxels, (B,
     K) each. BCE as softplus(z) - t z (exact for the 0/1 targets; its derivative is
-    sigmoid(z) - t)."""
+    sigmoid(z) - t).
+
+    With ``derivatives``: (sums, derivatives), where each sum's derivative is that of its own
+    entry at each voxel with respect to the voxel's logit (None for the counts and sum(t)):
+    the slab pass (``resize.slab_statistics``) sends them to the patch grid as it goes."""
     m, mw, t = _prepared(logits, targets, valid, class_weights)
     out: tuple[Tensor, ...] = ()
+    d: tuple[Tensor | None, ...] = ()
+    s = torch.sigmoid(logits) if dice or derivatives else None
     # In-place steps where autograd allows: fewer fresh buffers of the logits' size (each a
     # round of page faults on the CPU).
     if bce:
         bce_terms = F.softplus(logits).addcmul_(t, logits, value=-1).mul_(mw)
         out += (_over(bce_terms, 1), _count(m, logits, 1))
+        if derivatives:  # d/dz of (softplus(z) - t z) m w
+            d += ((s - t).mul_(mw), None)
     if dice:
-        p = torch.sigmoid(logits) * m  # invalid voxels: no value, no gradient
+        p = s * m  # invalid voxels: no value, no gradient
         out += (_over(p * t, 2), _over(p, 2), _over(t, 2), _count(m, logits, 2))
-    return out
-
-
-def _multilabel_gradient(logits, targets, valid, class_weights, grads, bce=True, dice=True):
-    """d(sum of ``grads`` x statistics)/d(logits) for ``_multilabel_statistics``: the slab
-    backward pass computes it directly, without autograd's saved intermediates."""
-    m, mw, t = _prepared(logits, targets, valid, class_weights)
-    s = torch.sigmoid(logits)
-    grad = None
-    if bce and grads[0] is not None:  # d/dz of (softplus(z) - t z) m w: (s - t) m w
-        grad = (s - t).mul_(mw * grads[0].view((-1,) + (1,) * (logits.dim() - 1)))
-    if dice and any(g is not None for g in grads[-4:-2]):
-        # p = s m: dp/dz = s (1 - s) m; sum(p) pulls with its gradient, sum(p t) with t.
-        g_pt, g_p = (None if g is None else g.view(*g.shape, *(1,) * (logits.dim() - 2))
-                     for g in grads[-4:-2])
-        pull = g_p if g_pt is None else (t * g_pt if g_p is None else (t * g_pt).add_(g_p))
-        dice_grad = torch.addcmul(s, s, s, value=-1).mul_(m).mul_(pull)
-        grad = dice_grad if grad is None else grad.add_(dice_grad)
-    return torch.zeros_like(logits) if grad is None else grad
+        if derivatives:  # p = s m: dp/dz = s (1 - s) m, and sum(p t) pulls with t
+            dp = torch.addcmul(s, s, s, value=-1).mul_(m)
+            d += (dp * t, dp, None, None)
+    return (out, d) if derivatives else out
 
 
 def _dice_per_pair(pt: Tensor, p: Tensor, t: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -205,30 +199,31 @@ class Loss:
         if class_weights is not None and len(class_weights) == 0:
             class_weights = None
         self.name, self.class_weights = name, class_weights
-        self._statistics, self._gradient, self._finish = LOSSES[name]
-        self.compiled = compiled and self._gradient is not None
+        self._statistics, self._finish = LOSSES[name]
+        self.slabs = name in MULTI_LABEL_LOSSES  # sums with derivatives written out
+        self.compiled = compiled and self.slabs
         if self.compiled:
             # The sigmoid losses' element-wise passes (masks, softplus, sigmoid, products,
             # sums) fused into a loop or two per slab: a quarter to two fifths less of the
             # loss's time on a CPU (BENCHMARKS.md), fewer kernels on a GPU. "ce" resizes whole and is left eager.
             self.statistics = torch.compile(self.statistics)
-            self.gradient = torch.compile(self.gradient)
+            self.derivatives = torch.compile(self.derivatives)
 
     def statistics(self, logits: Tensor, targets: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
         return self._statistics(logits, targets, valid, self.class_weights)
 
-    def gradient(self, logits: Tensor, targets: Tensor, valid: Tensor,
-                 grads: Sequence[Tensor | None]) -> Tensor:
-        return self._gradient(logits, targets, valid, self.class_weights, grads)
+    def derivatives(self, logits: Tensor, targets: Tensor, valid: Tensor
+                    ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
+        return self._statistics(logits, targets, valid, self.class_weights, derivatives=True)
 
     def __call__(self, logits: Tensor, targets: Tensor, valid: Tensor) -> LossTerms:
         return self._finish(self.statistics(logits, targets, valid), self.class_weights)
 
     def resized(self, logits: Tensor, size: Sequence[int], targets: Tensor,
                 valid: Tensor) -> LossTerms:
-        if self._gradient is None:  # "ce": slab by slab it took 1.4x the time of this
+        if not self.slabs:  # "ce": slab by slab it took 1.4x the time of this
             return self(resize_linear(logits.float(), size), targets, valid)
-        stats = slab_statistics(self.statistics, logits, size, targets, valid, self.gradient)
+        stats = slab_statistics(self.statistics, logits, size, targets, valid, self.derivatives)
         return self._finish(stats, self.class_weights)
 
 
@@ -292,15 +287,13 @@ def cross_entropy_loss(
 
 # ----------------------------------------------------------------------------- registry
 # Each loss name of ``torchtitan.choices.LOSSES`` (the config's choices; tests/test_choices.py
-# keeps the two equal) -> (statistics, their gradient for the slab backward pass or None for
-# autograd, finish).
+# keeps the two equal) -> (statistics, finish). The statistics of the multi-label losses
+# (``MULTI_LABEL_LOSSES``) also give their derivatives (``derivatives=True``) for the slab pass.
 LOSSES = {
-    "bce": (functools.partial(_multilabel_statistics, dice=False),
-            functools.partial(_multilabel_gradient, dice=False), _bce_finish),
-    "dice": (functools.partial(_multilabel_statistics, bce=False),
-             functools.partial(_multilabel_gradient, bce=False), _dice_finish),
-    "bce_dice": (_multilabel_statistics, _multilabel_gradient, _bce_dice_finish),
-    "ce": (_ce_statistics, None, _ce_finish),
+    "bce": (functools.partial(_multilabel_statistics, dice=False), _bce_finish),
+    "dice": (functools.partial(_multilabel_statistics, bce=False), _dice_finish),
+    "bce_dice": (_multilabel_statistics, _bce_dice_finish),
+    "ce": (_ce_statistics, _ce_finish),
 }
 
 

@@ -7,8 +7,11 @@ head whose output is not at the requested size).
 head: the loss is a function of sums over voxels (``losses.py``), so it never needs the whole
 full-resolution logits at once. The logits on the patch grid are resized along every axis but
 the first (a small tensor: one row of patches deep), then each slab of output rows is
-upsampled along the first axis, reduced to its sums and dropped; the backward pass recomputes
-each slab and sends its gradient back through the same matmuls. A slab fits the CPU's cache
+upsampled along the first axis, reduced to its sums and dropped. Where the loss writes out the
+per-voxel derivatives of its sums (the sigmoid losses), the forward pass sends them back
+through the transposed matmuls as it goes, so that the backward pass only weighs a few
+tensors of the patch grid's size by the sums' gradients; otherwise the backward pass
+recomputes each slab and differentiates its sums with autograd. A slab fits the CPU's cache
 (or, on a GPU, is large enough to keep the device busy), so the full-resolution logits, their
 gradient and the loss's per-voxel intermediates are never written to memory: for a 3D crop of
 96^3 with 4 classes that is 28 MB per tensor, for 256^3 with 40 classes 2.7 GB.
@@ -30,8 +33,13 @@ SLAB_ELEMENTS_DEFAULT = 2**24
 
 # (slab of logits, slab of targets, slab of validity) -> sums over the slab's voxels
 SlabStatistics = Callable[[Tensor, Tensor | None, Tensor | None], tuple[Tensor, ...]]
-# (slab of logits, of targets, of validity, gradients of the sums) -> gradient of the slab
-SlabGradient = Callable[[Tensor, Tensor | None, Tensor | None, Sequence[Tensor | None]], Tensor]
+# (slab of logits, of targets, of validity) -> (sums over the slab's voxels, and for each sum
+# the derivative of its entry at each voxel with respect to that voxel's logit, or None where
+# the sum does not depend on the logits). The derivatives have the slab's shape, and each sum
+# has the slab's leading axes (B,) or (B, K): the gradient of the slab's logits is, summed
+# over the sums, each sum's gradient (broadcast over the voxels) times its derivatives.
+SlabDerivatives = Callable[[Tensor, Tensor | None, Tensor | None],
+                           tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]]
 
 
 def linear_weights(n_in: int, n_out: int, like: Tensor) -> Tensor:
@@ -89,6 +97,7 @@ class _Slabs:
 
     def __init__(self, logits: Tensor, size: Sequence[int]):
         self.size = tuple(size)
+        self.grid = tuple(logits.shape[2:])
         n_in, n_out = logits.shape[2], size[0]
         self.n_in = n_in
         per_row = logits.shape[0] * logits.shape[1] * math.prod(size[1:])
@@ -121,6 +130,15 @@ class _Slabs:
         """``logits`` resized along every axis but the first."""
         return resize_linear(logits, (self.n_in, *self.size[1:]))
 
+    def rest_transposed(self, grad_rest: Tensor) -> Tensor:
+        """The gradient of the grid's logits from that of :meth:`rest`'s output (the
+        transposed matmuls)."""
+        for axis in range(1, len(self.size)):
+            n_in, n_out = self.grid[axis], self.size[axis]
+            if n_in != n_out:
+                grad_rest = _resize_axis(grad_rest, axis, linear_weights(n_in, n_out, grad_rest).t())
+        return grad_rest
+
     @staticmethod
     def slab(rest: Tensor, bound) -> Tensor:
         """The slab's output rows, from ``rest``."""
@@ -136,22 +154,43 @@ class _Slabs:
 
 class _SlabStatistics(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, size, statistics, gradient, targets, valid):
+    def forward(ctx, logits, size, statistics, derivatives, targets, valid):
         slabs = _Slabs(logits, size)
         rest = slabs.rest(logits)
-        total = None
+        # With the derivatives written out, their weighted sums over each slab go back to the
+        # grid's rows now (one accumulator of rest's size per sum that depends on the logits).
+        fused = derivatives is not None
+        total, grad_rests = None, None
         for bound in slabs.bounds:
             start, stop = bound[:2]
-            s = statistics(slabs.slab(rest, bound), _rows(targets, start, stop),
-                           _rows(valid, start, stop))
+            z, t, v = slabs.slab(rest, bound), _rows(targets, start, stop), _rows(valid, start, stop)
+            if fused:
+                s, d = derivatives(z, t, v)
+                if grad_rests is None:
+                    grad_rests = [None if x is None else torch.zeros_like(rest) for x in d]
+                for acc, x in zip(grad_rests, d):
+                    if x is not None:
+                        slabs.add_gradient(acc, bound, x)
+            else:
+                s = statistics(z, t, v)
             total = list(s) if total is None else [a + b for a, b in zip(total, s)]
-        ctx.save_for_backward(logits, targets, valid)
-        ctx.slabs, ctx.statistics, ctx.gradient = slabs, statistics, gradient
+        ctx.fused = fused
+        if fused:  # the gradient each sum sends to the grid's logits, kept for the backward
+            ctx.parts_of = [acc is not None for acc in grad_rests]
+            ctx.save_for_backward(*[slabs.rest_transposed(acc) for acc in grad_rests
+                                    if acc is not None])
+        else:
+            ctx.save_for_backward(logits, targets, valid)
+        ctx.slabs, ctx.statistics = slabs, statistics
         ctx.mark_non_differentiable(*[t for t in total if not t.is_floating_point()])
         return tuple(total)
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.fused:
+            kept = iter(ctx.saved_tensors)
+            parts = [next(kept) if has else None for has in ctx.parts_of]
+            return (_weighed_parts(parts, grads),) + (None,) * 5
         logits, targets, valid = ctx.saved_tensors
         slabs = ctx.slabs
         with torch.enable_grad():
@@ -162,9 +201,6 @@ class _SlabStatistics(torch.autograd.Function):
             start, stop = bound[:2]
             z = slabs.slab(rest.detach(), bound)
             t, v = _rows(targets, start, stop), _rows(valid, start, stop)
-            if ctx.gradient is not None:
-                slabs.add_gradient(grad_rest, bound, ctx.gradient(z, t, v, grads))
-                continue
             with torch.enable_grad():
                 z.requires_grad_()
                 pairs = [(a, g) for a, g in zip(ctx.statistics(z, t, v), grads)
@@ -177,24 +213,39 @@ class _SlabStatistics(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _weighed_parts(parts: list[Tensor | None], grads: Sequence[Tensor | None]) -> Tensor | None:
+    """Sum over the statistics of their gradients (broadcast over the voxels) times the
+    gradient each sends to the grid's logits."""
+    grad = None
+    for part, g in zip(parts, grads):
+        if part is None or g is None:
+            continue
+        term = part * g.view(*g.shape, *(1,) * (part.dim() - g.dim()))
+        grad = term if grad is None else grad.add_(term)
+    return grad
+
+
 def slab_statistics(statistics: SlabStatistics, logits: Tensor, size: Sequence[int],
                     targets: Tensor | None = None, valid: Tensor | None = None,
-                    gradient: SlabGradient | None = None) -> tuple[Tensor, ...]:
+                    derivatives: SlabDerivatives | None = None) -> tuple[Tensor, ...]:
     """``statistics(resize_linear(logits, size), targets, valid)``, for a ``statistics`` that
     returns sums over voxels (each output the sum of its values over any split of the first
     spatial axis), computed slab by slab of output rows without holding the resized logits;
     differentiable with respect to ``logits``. ``targets`` and ``valid`` are at ``size`` (or
     broadcast along the first axis with size 1 there). Runs in float32 with autocast off.
 
-    ``gradient``, if given, returns the gradient of a slab's logits from the gradients of
-    the sums (their derivative written out); without it the backward pass differentiates
-    ``statistics`` on each slab with autograd."""
+    ``derivatives``, if given, returns a slab's sums and their per-voxel derivatives (the
+    same sums as ``statistics``); the forward pass then also computes each sum's gradient on
+    the grid, and the backward pass weighs them (no slab is computed twice). Without it the
+    backward pass recomputes each slab and differentiates ``statistics`` with autograd."""
     size = tuple(size)
     with torch.autocast(device_type=logits.device.type, enabled=False):
         logits = logits.float()
         if tuple(logits.shape[2:]) == size:
             return tuple(statistics(logits, targets, valid))
-        return _SlabStatistics.apply(logits, size, statistics, gradient, targets, valid)
+        if not (torch.is_grad_enabled() and logits.requires_grad):
+            derivatives = None  # nothing to send back (validation)
+        return _SlabStatistics.apply(logits, size, statistics, derivatives, targets, valid)
 
 
 __all__ = ["SLAB_ELEMENTS", "linear_weights", "resize_linear", "slab_statistics"]
