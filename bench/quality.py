@@ -37,7 +37,9 @@ stops, whatever the machine's speed does after the calibration. A ``*_plain`` mo
 calibrated: it trains until its budget is spent. The table gives the steps each run trained and
 the wall time it took.
 ``--steps N`` trains every model for N steps instead (equal steps, e.g. to compare
-initialisations).
+initialisations). ``--calibrate-only`` stops after the calibrations: each model's step time and
+the steps the budget buys it (e.g. to compare precisions or oneDNN's instruction sets, through
+``--training.mixed_precision_param`` and ``ONEDNN_MAX_CPU_ISA``).
 
 Pretraining: ``--pretrain NAME=CONFIG [FLAGS]`` runs an MAE pretraining (``train_mae.py``) once,
 before the models; a model named ``MODEL@NAME`` starts from its encoder (loaded into the
@@ -237,6 +239,18 @@ def calibrate(name, spec, data, out, nproc, steps) -> float:
                         "--no-metrics.progress_bar", "--training.warmup_steps", "0"],
            nproc, out / f"{name}_calibrate.log", data=data)
     return step_time(dump)
+
+
+def calibrate_only(args, models: dict[str, str]) -> int:
+    """``--calibrate-only``: each model's step time here and the steps the budget buys it."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, spec in models.items():
+        if PLAIN_UNETS.get(model_kind(name)):
+            raise SystemExit(f"model {name!r}: a plain U-Net runs by the clock, not calibrated")
+        step_s = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
+        print(f"{name}: {step_s:.3f} s/step -> {max(1, int(args.budget / step_s))} steps in "
+              f"{args.budget:.0f} s", flush=True)
+    return 0
 
 
 def step_time(dump: Path) -> float:
@@ -540,6 +554,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds of training per model")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--calibrate", type=int, default=12, help="steps to time each model")
+    parser.add_argument("--calibrate-only", action="store_true",
+                        help="time each model's step (--calibrate steps) and print the steps "
+                             "--budget buys it; train nothing")
     parser.add_argument("--steps", type=int, default=0,
                         help="train every model this many steps (default: the budget decides)")
     parser.add_argument("--seeds", default="",
@@ -573,6 +590,8 @@ def main(argv=None) -> int:
     fractions = parse_fractions(args.label_fractions)
     if args.equal_time and not args.steps:
         raise SystemExit("--equal-time compares at equal fine-tuning steps first: give --steps")
+    if args.calibrate_only:
+        return calibrate_only(args, models)
     if not args.data.exists():
         subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
                         str(args.data)], check=True)

@@ -112,6 +112,20 @@ def test_label_fractions_pretraining_and_equal_time(demo_data, tmp_path, capsys)
     assert not quality.finished_run(out / "vit_f1-4", [*flags, "--training.seed", "3"])
 
 
+def test_calibrate_only_times_each_model_and_trains_nothing(demo_data, tmp_path, capsys):
+    quality = script_module("bench/quality.py")
+    config = "train_configs/debug_segmentation_2d.toml --training.batch_size 2"
+    out = tmp_path / "quality"
+    quality.main(["--data", str(demo_data), "--out", str(out), "--budget", "60", "--nproc", "1",
+                  "--calibrate", "3", "--calibrate-only", "--model", f"vit={config}"])
+    step_s = quality.step_time(out / "vit_calibrate")
+    assert f"vit: {step_s:.3f} s/step -> {int(60 / step_s)} steps in 60 s" in capsys.readouterr().out
+    assert not (out / "vit").exists() and not (out / "results.json").exists()
+    with pytest.raises(SystemExit, match="plain U-Net"):
+        quality.main(["--data", str(demo_data), "--out", str(out), "--calibrate-only",
+                      "--model", f"unet2d_plain_s0={config}"])
+
+
 def test_label_fraction_values_are_checked():
     quality = script_module("bench/quality.py")
     assert quality.parse_fractions("1, 1/16,0.25") == [quality.Fraction(1, 16),
