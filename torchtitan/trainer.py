@@ -49,6 +49,7 @@ from torchtitan.parallelisms.parallelize import (
     check_parallelism,
     clip_grad_norm_,
     parallelize,
+    warn_if_bf16_is_slow,
     wrap_ddp,
 )
 from torchtitan.parallelisms.process_group import init_process_group
@@ -240,6 +241,8 @@ class Trainer:
             "device %s, attention %s", self.task.name, cfg.model.backbone, self.num_params / 1e6,
             self.dims.describe(), cfg.training.batch_size,
             cfg.training.batch_size // self.dims.dp_degree, self.device, self.attention)
+        if self.rank == 0:
+            warn_if_bf16_is_slow(cfg.training.mixed_precision_param, self.device)
 
     # -- loop -----------------------------------------------------------------------------------
 

@@ -81,7 +81,8 @@ class Training:
     compile: bool = opt(False, "Compile each transformer block with torch.compile.")
     mixed_precision_param: str = opt(
         "bfloat16",
-        "Dtype of parameters in forward/backward (FSDP mixed precision).",
+        "Dtype of parameters in forward/backward (FSDP mixed precision). On a CPU, bfloat16 "
+        "pays only where the CPU has bf16 instructions (the trainer warns where it has none).",
         choices=("bfloat16", "float32"),
     )
     mixed_precision_reduce: str = opt(

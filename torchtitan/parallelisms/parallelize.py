@@ -35,6 +35,46 @@ from torchtitan.parallelisms.tensor_parallel import apply_tp, check_divisible, i
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# CPU flags (``/proc/cpuinfo``) of instructions that compute in bf16: x86's AVX512-BF16 and
+# AMX, Arm's BF16 extension. Without them oneDNN converts to float32 and back around every
+# matmul and convolution.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU has bf16 instructions, from ``/proc/cpuinfo`` (or the text given);
+    None where that cannot be read (not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return None
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def warn_if_bf16_is_slow(param_dtype: str, device: torch.device,
+                         has_bf16: bool | None = None) -> bool:
+    """Warn (and return True) when a CPU run asks for bf16 on a CPU without bf16 instructions,
+    where each step is slower than in float32 (BENCHMARKS.md, "bf16 without bf16
+    instructions")."""
+    if device.type != "cpu" or param_dtype != "bfloat16":
+        return False
+    if (cpu_has_bf16() if has_bf16 is None else has_bf16) is not False:
+        return False
+    logger.warning(
+        "training.mixed_precision_param = 'bfloat16' on a CPU without bf16 instructions (none "
+        "of %s in /proc/cpuinfo): bf16 is converted around every matmul here, and a step is "
+        "slower than in float32 (BENCHMARKS.md); set it to 'float32' on this machine",
+        "/".join(BF16_CPU_FLAGS))
+    return True
 
 
 def block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
