@@ -179,9 +179,9 @@ class _SlabStatistics(torch.autograd.Function):
             ctx.parts_of = [acc is not None for acc in grad_rests]
             ctx.save_for_backward(*[slabs.rest_transposed(acc) for acc in grad_rests
                                     if acc is not None])
-        else:
+        else:  # the backward pass recomputes each slab
             ctx.save_for_backward(logits, targets, valid)
-        ctx.slabs, ctx.statistics = slabs, statistics
+            ctx.slabs, ctx.statistics = slabs, statistics
         ctx.mark_non_differentiable(*[t for t in total if not t.is_floating_point()])
         return tuple(total)
 
