@@ -25,6 +25,7 @@ Prints a Markdown table (the one in BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -169,6 +170,11 @@ def worker(args) -> None:
     results[f"longest_cp{world}"] = longest(model, cap_t.item(), together=True)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
+    # Free what holds on to the process group (the CP model's gather, the mesh) while the group
+    # exists: a gloo group torn down after destroy_process_group can abort a rank at exit.
+    del single, model
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
