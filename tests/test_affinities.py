@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.ndimage as ndi
 import torch
 from conftest import script_module
 
@@ -262,6 +263,29 @@ def test_long_range_edges_keep_objects_apart_where_the_boundary_is_not_seen():
     aff[LONG.index((0, 0, 1)), :, :, 5] = 0.55  # unsure, on the wrong side of 0.5
     assert len(np.unique(mutex_watershed(aff[:3], NEIGHBOURS))) == 1
     assert same_partition(mutex_watershed(aff, LONG), ids)
+
+
+def test_long_range_edges_only_repel_so_objects_are_connected():
+    """Two objects a membrane plane apart that the long-range channels wrongly call one (0.95
+    across): only face neighbours join, so the pixel and graph mutex cuts keep them apart, and
+    every object of a noisy prediction is one face-connected piece with an id (none left 0)."""
+    ids = np.ones((6, 10, 12), np.int64)
+    ids[:, :, 6:] = 2
+    aff = predicted(ids, LONG)
+    aff[3:] = 0.95  # long range: "the same object" everywhere, across the membrane too
+    assert same_partition(mutex_watershed(aff, LONG, 0.5, 0.5), ids)
+    assert same_partition(graph_instances(aff, LONG, "mutex_graph", threshold_nearest=0.5,
+                                          threshold_long=0.5), ids)
+
+    noisy = predicted(three_objects((8, 12, 12)), LONG, noise=0.3, seed=1)
+    out = mutex_watershed(noisy, LONG, 0.5, 0.4)
+    assert out.min() >= 1
+    for obj in np.unique(out):
+        assert ndi.label(out == obj)[1] == 1  # face connectivity is scipy's default
+    graph = graph_instances(noisy, LONG, "mutex_graph", threshold_nearest=0.5,
+                            threshold_long=0.4)
+    for obj in np.unique(graph[graph > 0]):
+        assert ndi.label(graph == obj)[1] == 1
 
 
 def test_long_stride_thins_the_repulsions_on_the_volume_grid():

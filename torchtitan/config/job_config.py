@@ -526,7 +526,9 @@ class Inference:
         "(fragments: by their mean) where the predicted affinity is above this and keeps them apart below it (lower: fewer splits).",
         check=FRACTION)
     mutex_threshold_long: float = opt(
-        0.5, "affinity_cut = 'mutex' or 'mutex_graph': the same for long-range edges (higher: more splits).",
+        0.5, "affinity_cut = 'mutex' or 'mutex_graph': a long-range edge keeps its voxels "
+        "(fragments) apart where the predicted affinity is below this (higher: more splits); "
+        "long-range edges never join (only face neighbours do, so every object is connected).",
         check=FRACTION)
     mutex_long_stride: int = opt(
         1, "affinity_cut = 'mutex': a long-range edge is taken at every this-many-th voxel "

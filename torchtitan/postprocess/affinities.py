@@ -9,11 +9,16 @@ cuts turn these into object ids, each with a library the field keeps:
   ``mutex_threshold_long`` for long-range offsets). Edges are taken in order of decreasing
   weight magnitude: a positive one joins its two clusters unless a negative one already
   forbids it (a mutex), a negative one forbids the pair ever being joined. Long-range edges
-  thereby keep two objects apart across a gap in their predicted boundary. No seeds, no
-  threshold on sizes: one pass over the edges.
+  thereby keep two objects apart across a gap in their predicted boundary. As in Wolf et al.,
+  only face neighbours join and long-range edges only repel (a long-range weight above 0
+  counts as 0, which joins nothing): every object is one face-connected piece, where a join
+  across 9 voxels could make one id of pieces that do not touch (the challenge's instance
+  score counts each such piece as an object; BENCHMARKS.md, "Long-range edges repel only").
+  No seeds, no threshold on sizes: one pass over the edges.
 * ``mutex_graph``: the same mutex watershed on the region graph of watershed fragments
   (waterz's basins of the face-neighbour affinities) rather than on voxels: each edge between
-  two fragments weighted by its mean affinity minus the same thresholds.
+  two fragments weighted by its mean affinity minus the same thresholds, fragments joined only
+  where they touch.
 * ``agglomerate`` (Funke et al. 2018): the same fragments, then the region graph agglomerated
   hierarchically, always merging the pair of regions with the highest mean face-neighbour
   affinity along their contact, while that mean is above ``agglomerate_threshold`` (waterz's
@@ -63,8 +68,9 @@ def _check(affinities: np.ndarray, offsets: Sequence[Sequence[int]]) -> np.ndarr
 def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
                     threshold_long: float = 0.5, long_stride: int = 1,
                     origin: Sequence[int] | None = None) -> np.ndarray:
-    """Object ids (uint64, 1..; 0 for a voxel left alone) of the mutex watershed of
-    ``affinities`` (C, *spatial) probabilities along ``offsets`` (module docstring).
+    """Object ids (uint64, 1..) of the mutex watershed of ``affinities`` (C, *spatial)
+    probabilities along ``offsets`` (module docstring); a voxel that no edge joins is an
+    object of its own, for the size rule to absorb.
     ``long_stride``: long-range edges only from the voxels whose index in the volume (the
     box's ``origin`` added) is a multiple of it along every axis, so that a block of a larger
     volume takes the same edges as the whole."""
@@ -73,6 +79,9 @@ def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
     affinities = _check(affinities, offsets)
     bias = np.array([threshold_nearest if is_nearest(o) else threshold_long for o in offsets])
     weights = affinities.astype(np.float64) - bias.reshape(-1, *([1] * (affinities.ndim - 1)))
+    for c, o in enumerate(offsets):
+        if not is_nearest(o):  # long-range edges only repel (module docstring)
+            np.minimum(weights[c], 0.0, out=weights[c])
     if long_stride > 1:
         # An edge of weight 0 is taken last and joins nothing (mwatershed joins on > 0), so
         # zeroed edges are left out.
@@ -84,7 +93,11 @@ def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
         for c, o in enumerate(offsets):
             if not is_nearest(o):
                 weights[c][~grid] = 0.0
-    return mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
+    ids = mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
+    alone = ids == 0  # mwatershed leaves the voxels that nothing joined at 0
+    if alone.any():
+        ids[alone] = ids.max() + np.arange(1, int(alone.sum()) + 1, dtype=ids.dtype)
+    return ids
 
 
 @contextlib.contextmanager

@@ -206,7 +206,8 @@ def mutex_graph(graph: RegionGraph, threshold_nearest: float, threshold_long: fl
                 apart: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
                 ) -> dict[int, int]:
     """The mutex watershed of the graph: each edge weighted by its mean affinity minus
-    ``threshold_nearest`` (face neighbours) or ``threshold_long`` (long range); ``apart(u,
+    ``threshold_nearest`` (face neighbours) or ``threshold_long`` (long range; these only
+    repel, as in the pixel cut, so that objects join only where they touch); ``apart(u,
     v)``: the edges forced apart (a mutex taken before any other). Returns {node: root}."""
     import mwatershed
 
@@ -217,6 +218,9 @@ def mutex_graph(graph: RegionGraph, threshold_nearest: float, threshold_long: fl
         w = s / np.maximum(c, 1) / QUANTUM - threshold
         if apart is not None:
             w = np.where(apart(u, v), -forced, w)
+        if table is graph.far:
+            keep = w < 0  # a long-range edge only repels: one that would join is left out
+            u, v, w = u[keep], v[keep], w[keep]
         weights.append(w)
         us.append(u)
         vs.append(v)
