@@ -379,13 +379,26 @@ def test_small_objects_are_absorbed_and_outside_the_mask_is_zero():
     ids = np.ones((6, 8, 10), np.int64)
     ids[:, :, 5:] = 2
     ids[2, 3, 2] = 3  # a one-voxel speck inside object 1
-    absorbed = absorb_small(ids, 2)
+    absorbed = absorb_small(ids, predicted(ids, LONG), LONG, 2)
     assert absorbed[2, 3, 2] == 1 and len(np.unique(absorbed)) == 2
     inside = np.ones(ids.shape, bool)
     inside[0] = False
     out, n = affinity_instances(predicted(ids, LONG), LONG, "mutex", (10, 10, 10), inside=inside,
                                 min_object_nm3=2000)
     assert n == 2 and (out[0] == 0).all() and out[2, 3, 2] == out[2, 3, 1]
+
+
+def test_a_small_object_joins_the_neighbour_it_is_most_affine_to_not_the_nearest():
+    """A thin slab (object 3) between objects 1 and 2, touching both: its face affinities say
+    it belongs to 2 (0.9) and not to 1 (0.2). It is absorbed whole into 2, where giving each
+    voxel to the nearest large object would split it between both."""
+    ids = np.ones((4, 6, 9), np.int64)
+    ids[:, :, 4] = 3
+    ids[:, :, 5:] = 2
+    aff = predicted(np.where(ids == 3, 2, ids), NEIGHBOURS)  # 3 is part of 2 ...
+    aff[2, :, :, 3] = 0.2  # ... and not of 1, across the face x = 3 | 4
+    out = absorb_small(ids, aff, NEIGHBOURS, min_voxels=ids.size // 4)
+    assert same_partition(out, np.where(ids == 3, 2, ids))
 
 
 def test_postprocess_takes_the_affinities_of_their_class_unless_told_boundary():

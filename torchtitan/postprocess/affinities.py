@@ -31,8 +31,10 @@ with context wider than any block's halo and is only approximated there.
 
 All give ids over the whole volume; voxels outside the class's own predicted mask (``inside``)
 get 0. Objects smaller than ``min_object_nm3`` are absorbed, as the boundary cut
-(:mod:`torchtitan.postprocess.neurons`) drops seeds of that size: by their nearest neighbour
-(``mutex``) or by the neighbour they share the highest mean face affinity with (graph cuts).
+(:mod:`torchtitan.postprocess.neurons`) drops seeds of that size, by every cut alike and block
+by block the same: each joins the neighbour it shares the highest mean face-neighbour affinity
+with (on the medulla model 0.01-0.02 bits of VOI better than giving its voxels to the nearest
+large object; BENCHMARKS.md, "Long-range edges repel only").
 
 Floor 3: numpy, scipy, mwatershed and waterz; of ours the domain's affinity layout, the region
 graph and the evaluation's relabelling.
@@ -46,7 +48,6 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-import scipy.ndimage as ndi
 
 from torchtitan.cellmap.affinities import is_nearest
 from torchtitan.choices import AFFINITY_CUTS
@@ -186,17 +187,18 @@ def graph_instances(affinities, offsets, method: str, *, min_voxels: int = 0,
     return out
 
 
-def absorb_small(ids: np.ndarray, min_voxels: int) -> np.ndarray:
-    """``ids`` with every object (and background voxel, id 0) of fewer than ``min_voxels``
-    given to the nearest object that is large enough (Euclidean distance in voxels)."""
-    ids = np.asarray(ids)
-    sizes = np.bincount(ids.ravel().astype(np.int64))
-    small = sizes[ids] < max(1, min_voxels)
-    small |= ids == 0
-    if not small.any() or small.all():
-        return ids
-    _, nearest = ndi.distance_transform_edt(small, return_indices=True)
-    return ids[tuple(nearest)]
+def absorb_small(ids: np.ndarray, affinities: np.ndarray, offsets, min_voxels: int
+                 ) -> np.ndarray:
+    """``ids`` (every voxel an object) renumbered 1..n in raster order, each object of fewer
+    than ``min_voxels`` joined to the neighbour it shares the highest mean face-neighbour
+    affinity with, smallest first: the graph cuts' rule
+    (:func:`torchtitan.postprocess.region_graph.absorb_small`) on the region graph of the
+    objects' face contacts, which the blockwise cut applies too."""
+    if min_voxels <= 1:
+        return label_instances(ids)[0]
+    near = [c for c, o in enumerate(offsets) if is_nearest(o)]
+    return graph_instances(affinities[near], [offsets[c] for c in near], "keep",
+                           min_voxels=min_voxels, fragments=ids)
 
 
 def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=None,
@@ -212,8 +214,7 @@ def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=N
     if method == "mutex":
         ids = mutex_watershed(affinities, offsets, threshold_nearest, threshold_long,
                               long_stride)
-        ids, _ = label_instances(ids)  # 1..n, in raster order
-        ids = absorb_small(ids, min_voxels)
+        ids = absorb_small(ids, affinities, offsets, min_voxels)
     elif method in AFFINITY_CUTS:
         ids = graph_instances(affinities, offsets, method, min_voxels=min_voxels,
                               threshold_nearest=threshold_nearest, threshold_long=threshold_long,
