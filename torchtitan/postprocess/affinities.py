@@ -80,20 +80,19 @@ def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
     affinities = _check(affinities, offsets)
     bias = np.array([threshold_nearest if is_nearest(o) else threshold_long for o in offsets])
     weights = affinities.astype(np.float64) - bias.reshape(-1, *([1] * (affinities.ndim - 1)))
-    for c, o in enumerate(offsets):
-        if not is_nearest(o):  # long-range edges only repel (module docstring)
-            np.minimum(weights[c], 0.0, out=weights[c])
+    # An edge of weight 0 is taken last and joins nothing (mwatershed joins on > 0): long-range
+    # edges only repel (module docstring), and those off the stride's grid are left out.
+    far = [c for c, o in enumerate(offsets) if not is_nearest(o)]
+    for c in far:
+        np.minimum(weights[c], 0.0, out=weights[c])
     if long_stride > 1:
-        # An edge of weight 0 is taken last and joins nothing (mwatershed joins on > 0), so
-        # zeroed edges are left out.
         origin = (0,) * (affinities.ndim - 1) if origin is None else tuple(origin)
         grid = np.ones(affinities.shape[1:], bool)
         for axis, (start, n) in enumerate(zip(origin, affinities.shape[1:])):
             on = (np.arange(start, start + n) % long_stride) == 0
             grid &= on.reshape([-1 if a == axis else 1 for a in range(len(origin))])
-        for c, o in enumerate(offsets):
-            if not is_nearest(o):
-                weights[c][~grid] = 0.0
+        for c in far:
+            weights[c][~grid] = 0.0
     ids = mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
     alone = ids == 0  # mwatershed leaves the voxels that nothing joined at 0
     if alone.any():
