@@ -66,22 +66,19 @@ def _check(affinities: np.ndarray, offsets: Sequence[Sequence[int]]) -> np.ndarr
     return affinities
 
 
-def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
-                    threshold_long: float = 0.5, long_stride: int = 1,
-                    origin: Sequence[int] | None = None) -> np.ndarray:
-    """Object ids (uint64, 1..) of the mutex watershed of ``affinities`` (C, *spatial)
-    probabilities along ``offsets`` (module docstring); a voxel that no edge joins is an
-    object of its own, for the size rule to absorb.
+def mutex_weights(affinities, offsets, threshold_nearest: float = 0.5,
+                  threshold_long: float = 0.5, long_stride: int = 1,
+                  origin: Sequence[int] | None = None) -> np.ndarray:
+    """The signed edge weights (float64, ``affinities``' shape) of the pixel mutex watershed
+    (module docstring): ``affinity - threshold``, long-range weights clipped to <= 0 and 0 off
+    the stride's grid. An edge of weight 0 is taken last and joins nothing (mwatershed joins
+    on > 0).
     ``long_stride``: long-range edges only from the voxels whose index in the volume (the
     box's ``origin`` added) is a multiple of it along every axis, so that a block of a larger
     volume takes the same edges as the whole."""
-    import mwatershed
-
     affinities = _check(affinities, offsets)
     bias = np.array([threshold_nearest if is_nearest(o) else threshold_long for o in offsets])
     weights = affinities.astype(np.float64) - bias.reshape(-1, *([1] * (affinities.ndim - 1)))
-    # An edge of weight 0 is taken last and joins nothing (mwatershed joins on > 0): long-range
-    # edges only repel (module docstring), and those off the stride's grid are left out.
     far = [c for c, o in enumerate(offsets) if not is_nearest(o)]
     for c in far:
         np.minimum(weights[c], 0.0, out=weights[c])
@@ -93,11 +90,30 @@ def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
             grid &= on.reshape([-1 if a == axis else 1 for a in range(len(origin))])
         for c in far:
             weights[c][~grid] = 0.0
+    return weights
+
+
+def mutex_objects(weights: np.ndarray, offsets) -> np.ndarray:
+    """Object ids (uint64, 1..) of mwatershed's mutex watershed of signed edge ``weights`` (C,
+    *spatial) along ``offsets``; a voxel that no edge joins is an object of its own."""
+    import mwatershed
+
     ids = mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
     alone = ids == 0  # mwatershed leaves the voxels that nothing joined at 0
     if alone.any():
         ids[alone] = ids.max() + np.arange(1, int(alone.sum()) + 1, dtype=ids.dtype)
     return ids
+
+
+def mutex_watershed(affinities, offsets, threshold_nearest: float = 0.5,
+                    threshold_long: float = 0.5, long_stride: int = 1,
+                    origin: Sequence[int] | None = None) -> np.ndarray:
+    """Object ids (uint64, 1..) of the mutex watershed of ``affinities`` (C, *spatial)
+    probabilities along ``offsets`` (module docstring; the weights of
+    :func:`mutex_weights`); a voxel that no edge joins is an object of its own, for the size
+    rule to absorb."""
+    return mutex_objects(mutex_weights(affinities, offsets, threshold_nearest, threshold_long,
+                                       long_stride, origin), offsets)
 
 
 @contextlib.contextmanager
