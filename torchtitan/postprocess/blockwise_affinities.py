@@ -16,7 +16,7 @@ blockwise pipelines use (lsd, volara), spread over the ranks:
    each fragment's size and name (the raster index of its first voxel), and the
    **stitches**: a fragment of this block and one of the next block along a face are one
    fragment cut by the face when, on the plane both saw, their overlap is most of either.
-3. **One agglomeration** (rank 0; the graph is small beside the volume): stitched basins
+3. **One agglomeration** (rank 0): stitched basins
    become one fragment, named by its first voxel, the graph is kept (``graph.npz`` in the
    step's tables: names, sizes, ``near_*`` and ``far_*`` edge tables) and goes through
    :func:`torchtitan.postprocess.region_graph.agglomerate_graph`, the function the whole-volume
@@ -32,8 +32,12 @@ depends on the affinities near it only: with :data:`BASIN_HALO` voxels of contex
 32^3 to 128^3 give the whole medulla validation crop's objects exactly (BENCHMARKS.md). The
 pixel ``mutex`` cut has no such locality: it takes the edges in one global order, so a
 decision near a block's face can hinge on edges far beyond any halo; with 48 voxels of context
-79-99 % of the voxels keep their whole-volume object, and the neurons score as well against
-the truth; choose ``mutex_graph`` where blockwise ids must be the whole volume's. The price
+95-99.8 % of the medulla crop's voxels keep their whole-volume object (the neurons score as
+well against the truth), but 74-85 % of a 250^3 cube's, fewer the more blocks a region holds:
+the neurons' interiors are joined by affinities above 0.95 across more than any halo, so no
+block holds a part of the cut that its own edges decide (BENCHMARKS.md, "How far the mutex
+watershed's decisions reach"). Choose ``mutex_graph`` where blockwise ids must be the whole
+volume's. The price
 of the graph cuts is step 3's memory: basins are small (about nine voxels on the medulla
 model, three graph edges per voxel), so the graph that one process agglomerates grows with
 the region, where the pixel cut's memory is set by the block. Every step writes its own
