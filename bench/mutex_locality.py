@@ -45,12 +45,10 @@ import scipy.ndimage as ndi
 import scipy.sparse
 import scipy.sparse.csgraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blockwise_affinities import channels, settings  # noqa: E402
-
-from torchtitan.cellmap.affinities import from_stored, is_nearest  # noqa: E402
-from torchtitan.postprocess.affinities import mutex_objects, mutex_weights  # noqa: E402
-from torchtitan.scoring.neuron_metrics import matching_agreement  # noqa: E402
+from blockwise_affinities import channels, settings
+from torchtitan.cellmap.affinities import from_stored, is_nearest
+from torchtitan.postprocess.affinities import mutex_objects, mutex_weights
+from torchtitan.scoring.neuron_metrics import matching_agreement
 
 RESOLUTION = 2 ** 20  # weights rounded to 2^-20; the tie order lies below it
 
