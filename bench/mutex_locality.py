@@ -48,6 +48,7 @@ import scipy.sparse.csgraph
 from blockwise_affinities import channels, settings
 from torchtitan.cellmap.affinities import from_stored, is_nearest
 from torchtitan.postprocess.affinities import mutex_objects, mutex_weights
+from torchtitan.postprocess.blockwise_labels import Blocks, box_slices, inner_slices
 from torchtitan.scoring.neuron_metrics import matching_agreement
 
 RESOLUTION = 2 ** 20  # weights rounded to 2^-20; the tie order lies below it
@@ -152,16 +153,14 @@ def blockwise_prefix(read, shape, offsets, level: float, block: int, halo: int) 
     """Prefix clusters at ``level`` computed block by block with ``halo`` voxels of context:
     each block's own voxels keep their block's clusters, numbered block-unique."""
     out = np.zeros(shape, np.int64)
-    base = 0
-    for lo in np.ndindex(*[-(-s // block) for s in shape]):
-        lo = tuple(i * block for i in lo)
-        hi = tuple(min(s, a + block) for a, s in zip(lo, shape))
+    blocks, base = Blocks(shape, (block,) * len(shape)), 0
+    for k in range(len(blocks)):
+        lo, hi = blocks.box(k)
         olo = tuple(max(0, a - halo) for a in lo)
         ohi = tuple(min(s, b + halo) for b, s in zip(hi, shape))
-        ids = prefix(read(olo, ohi), offsets, level)
-        core = ids[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, olo))]
+        core = prefix(read(olo, ohi), offsets, level)[inner_slices((olo, ohi), (lo, hi))]
         dense = np.unique(core, return_inverse=True)[1].reshape(core.shape)
-        out[tuple(slice(a, b) for a, b in zip(lo, hi))] = dense + base + 1
+        out[box_slices(lo, hi)] = dense + base + 1
         base += int(dense.max()) + 1
     return out
 

@@ -37,10 +37,9 @@ well against the truth), but 74-85 % of a 250^3 cube's, fewer the more blocks a 
 the neurons' interiors are joined by affinities above 0.95 across more than any halo, so no
 block holds a part of the cut that its own edges decide (BENCHMARKS.md, "How far the mutex
 watershed's decisions reach"). Choose ``mutex_graph`` where blockwise ids must be the whole
-volume's. The price
-of the graph cuts is step 3's memory: basins are small (about nine voxels on the medulla
-model, three graph edges per voxel), so the graph that one process agglomerates grows with
-the region, where the pixel cut's memory is set by the block. Every step writes its own
+volume's. The price of the graph cuts is step 3's memory: basins are small (about nine voxels
+on the medulla model, three graph edges per voxel), so the graph that one process
+agglomerates grows with the region, where the pixel cut's memory is set by the block. Every step writes its own
 output and is repeated whole when run again, so a killed run is simply run again.
 
 Floor 3: numpy, scipy, zarr, mwatershed and waterz, beside :mod:`torchtitan.postprocess.blockwise`.
