@@ -39,8 +39,9 @@ block holds a part of the cut that its own edges decide (BENCHMARKS.md, "How far
 watershed's decisions reach"). Choose ``mutex_graph`` where blockwise ids must be the whole
 volume's. The price of the graph cuts is step 3's memory: basins are small (about nine voxels
 on the medulla model, three graph edges per voxel), so the graph that one process
-agglomerates grows with the region, where the pixel cut's memory is set by the block. Every step writes its own
-output and is repeated whole when run again, so a killed run is simply run again.
+agglomerates grows with the region, where the pixel cut's memory is set by the block. Every
+step writes its own output and is repeated whole when run again, so a killed run is simply run
+again.
 
 Floor 3: numpy, scipy, zarr, mwatershed and waterz, beside :mod:`torchtitan.postprocess.blockwise`.
 """
