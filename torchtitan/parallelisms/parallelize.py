@@ -61,13 +61,17 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
 
 
 def warn_if_bf16_is_slow(param_dtype: str, device: torch.device,
-                         has_bf16: bool | None = None) -> bool:
+                         cpuinfo: str | None = None) -> bool:
     """Warn (and return True) when a CPU run asks for bf16 on a CPU without bf16 instructions,
     where each step is slower than in float32 (BENCHMARKS.md, "bf16 without bf16
-    instructions")."""
+    instructions").
+
+    ``cpuinfo`` is the text of ``/proc/cpuinfo`` to judge by; None reads this machine's. A CPU
+    whose flags cannot be read (no flags line, not Linux) is not warned about: no guess.
+    """
     if device.type != "cpu" or param_dtype != "bfloat16":
         return False
-    if (cpu_has_bf16() if has_bf16 is None else has_bf16) is not False:
+    if cpu_has_bf16(cpuinfo) is not False:
         return False
     logger.warning(
         "training.mixed_precision_param = 'bfloat16' on a CPU without bf16 instructions (none "
