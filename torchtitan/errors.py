@@ -13,12 +13,13 @@ this module).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
 
-__all__ = ["USER_ERROR_EXIT", "CheckpointError", "ConfigError", "UserError", "print_user_error",
-           "redact_secrets", "run_cli"]
+__all__ = ["USER_ERROR_EXIT", "CheckpointError", "ConfigError", "MissingExtraError", "UserError",
+           "optional_import", "print_user_error", "redact_secrets", "run_cli"]
 
 USER_ERROR_EXIT = 2
 
@@ -34,6 +35,23 @@ class ConfigError(UserError, ValueError):
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used as asked; the message says why and what to do."""
+
+
+class MissingExtraError(UserError, ImportError):
+    """An optional feature was asked for, but its package is not installed."""
+
+
+def optional_import(module: str, extra: str, purpose: str):
+    """Import ``module``, a dependency of an optional feature (pyproject.toml's extra
+    ``extra``), or raise :class:`MissingExtraError` saying what needs it and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtraError(
+            f"{purpose} needs the optional package '{module.split('.')[0]}', which is not "
+            f"installed ({e}). Install it with: pip install 'torchtitan-em[{extra}]' (in a "
+            f"checkout: pip install -e '.[{extra}]'; pip install -r requirements.txt installs "
+            "every extra)") from None
 
 
 def print_user_error(error: BaseException) -> int:

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchtitan.errors import optional_import
 from torchtitan.cellmap.affinities import AffinitySpec, config_outputs
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.prediction import exported
@@ -54,12 +55,7 @@ TEST_INPUT, TEST_OUTPUT = "test_input.npy", "test_output.npy"
 
 def _spec():
     """``bioimageio.spec``'s model 0.5 module, or an error saying how to install it."""
-    try:
-        from bioimageio.spec.model import v0_5
-    except ImportError:
-        raise ExportError("--format bioimageio needs bioimageio.spec (and onnx for ONNX "
-                          "weights): pip install bioimageio.core onnx") from None
-    return v0_5
+    return optional_import("bioimageio.spec.model.v0_5", "export", "--format bioimageio")
 
 
 def spatial_axes(ndim: int) -> list[str]:

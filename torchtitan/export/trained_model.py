@@ -19,6 +19,7 @@ import tomli_w
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from torchtitan.errors import optional_import
 from torchtitan.checkpoint.reading import STEP_RE, resolve_step_folder
 from torchtitan.config.parsing import config_to_dict
 from torchtitan.data.crops.layout import discover
@@ -202,11 +203,8 @@ def write_torchscript(model: TrainedModel, path: Path) -> None:
 def write_onnx(model: TrainedModel, path: Path, opset: int) -> None:
     """The network as ONNX at ``opset`` (the TorchScript-based exporter; batch size free). An
     operator the opset cannot express is an :class:`ExportError` naming it."""
-    try:
-        import onnx  # noqa: F401  (the exporter needs it; say so before it fails)
-    except ImportError:
-        raise ExportError("ONNX weights need the onnx package: pip install onnx (or leave them "
-                          "out: --no-onnx)") from None
+    # The exporter needs onnx: say so before it fails.
+    optional_import("onnx", "export", "ONNX weights (leave them out with --no-onnx)")
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notes

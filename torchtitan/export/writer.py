@@ -30,6 +30,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from torchtitan.errors import optional_import
 from torchtitan.config.parsing import config_to_toml
 from torchtitan.cellmap.affinities import config_outputs
 from torchtitan.prediction import exported
@@ -79,8 +80,7 @@ def export_model(checkpoint: str, out: str | Path, *, config: str | None = None,
 
 def write_hub(model: TrainedModel, card: Card, folder: Path) -> Path:
     """The hub folder: model card, ``model.safetensors`` and ``config.toml``."""
-    from safetensors.torch import save_file
-
+    save_file = optional_import("safetensors.torch", "export", "The hub folder").save_file
     folder.mkdir()
     save_file(state_dict(model), str(folder / exported.SAFETENSORS),
               metadata={"format": "pt", "classes": ",".join(model.cfg.data.classes),

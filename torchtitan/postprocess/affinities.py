@@ -49,6 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from torchtitan.errors import optional_import
 from torchtitan.cellmap.affinities import is_nearest
 from torchtitan.choices import AFFINITY_CUTS
 from torchtitan.postprocess.region_graph import (RegionGraph, agglomerate_graph, block_edges,
@@ -96,8 +97,7 @@ def mutex_weights(affinities, offsets, threshold_nearest: float = 0.5,
 def mutex_objects(weights: np.ndarray, offsets) -> np.ndarray:
     """Object ids (uint64, 1..) of mwatershed's mutex watershed of signed edge ``weights`` (C,
     *spatial) along ``offsets``; a voxel that no edge joins is an object of its own."""
-    import mwatershed
-
+    mwatershed = optional_import("mwatershed", "neurons", "The mutex watershed of affinities")
     ids = mwatershed.agglom(weights, [[int(v) for v in o] for o in offsets])
     alone = ids == 0  # mwatershed leaves the voxels that nothing joined at 0
     if alone.any():
@@ -153,8 +153,7 @@ def waterz_affinities(affinities: np.ndarray, offsets) -> np.ndarray:
 def basins(affinities, offsets) -> np.ndarray:
     """Fragment ids (uint64, 0 = none) of ``affinities`` (C, *spatial): waterz's watershed
     of the face-neighbour channels, nothing merged."""
-    import waterz
-
+    waterz = optional_import("waterz", "neurons", "Watershed fragments of affinities")
     affinities = _check(affinities, offsets)
     with _quiet_stdout():
         ids = next(iter(waterz.agglomerate(waterz_affinities(affinities, offsets),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan.cellmap.affinities import is_nearest
+from torchtitan.errors import optional_import
 
 QUANTUM = 1 << 24  # affinities summed in units of 2^-24: float32's resolution near 1
 
@@ -209,8 +210,7 @@ def mutex_graph(graph: RegionGraph, threshold_nearest: float, threshold_long: fl
     ``threshold_nearest`` (face neighbours) or ``threshold_long`` (long range; these only
     repel, as in the pixel cut, so that objects join only where they touch); ``apart(u,
     v)``: the edges forced apart (a mutex taken before any other). Returns {node: root}."""
-    import mwatershed
-
+    mwatershed = optional_import("mwatershed", "neurons", "The mutex cut of a region graph")
     weights, us, vs = [], [], []
     forced = 2.0  # above any |mean - threshold|: taken first
     for table, threshold in ((graph.near, threshold_nearest), (graph.far, threshold_long)):

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchtitan.errors import CheckpointError, UserError
+from torchtitan.errors import CheckpointError, UserError, optional_import
 
 RDF = "rdf.yaml"
 CONFIG = "config.toml"
@@ -205,10 +205,7 @@ class OnnxNetwork(torch.nn.Module):
 
     def __init__(self, path: Path):
         super().__init__()
-        try:
-            import onnxruntime
-        except ImportError:
-            raise ExportError("--weights onnx needs onnxruntime: pip install onnxruntime") from None
+        onnxruntime = optional_import("onnxruntime", "export", "--weights onnx")
         self.session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
 
@@ -220,10 +217,10 @@ class OnnxNetwork(torch.nn.Module):
 
 def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a ``.safetensors`` or ``.pt`` state dict file, on the CPU."""
+    if path.suffix == ".safetensors":
+        load_file = optional_import("safetensors.torch", "export", f"Reading {path.name}").load_file
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or foreign file

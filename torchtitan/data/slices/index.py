@@ -26,7 +26,7 @@ import numpy as np
 from torchtitan.cellmap.errors import DatasetError
 from torchtitan.cellmap.grids import AXES
 from torchtitan.data.slices import original as slices_original
-from torchtitan.errors import redact_secrets
+from torchtitan.errors import optional_import, redact_secrets
 
 # Schemas (see the module docstring).
 OURS = "torchtitan"
@@ -75,8 +75,7 @@ class SliceCrop:
 
 def detect_schema(ds) -> str | None:
     """OURS, ORIGINAL, IMAGES (an ``image`` column, nothing else known) or None."""
-    import datasets
-
+    datasets = optional_import("datasets", "slices", "A slice dataset (data.dataset_name)")
     columns = set(ds.column_names)
     if "image" not in columns or not isinstance(ds.features["image"], datasets.Image):
         return None
@@ -90,8 +89,7 @@ def detect_schema(ds) -> str | None:
 def _load(name: str):
     """The ``datasets.Dataset`` named by ``data.dataset_name``: a ``save_to_disk`` folder, or
     else a Hugging Face Hub dataset (its ``train`` split)."""
-    import datasets
-
+    datasets = optional_import("datasets", "slices", "A slice dataset (data.dataset_name)")
     path = Path(name).expanduser()
     if path.exists():
         try:
@@ -256,8 +254,7 @@ class SliceIndex:
         """A held-out crop of the original schema made a volume: the stack of its planes along
         z (else y, else x) in plane order. Returns the crop with that stack's shape and the
         number of planes missing from it (the original helper drops uniform slices)."""
-        import datasets
-
+        datasets = optional_import("datasets", "slices", "A slice dataset (data.dataset_name)")
         ax = next((a for a, axis in enumerate(AXES) if len(self.rows([crop], axis))), None)
         if ax is None:
             raise DatasetError(f"data.dataset_name: crop {crop.full_name} has no z, y or x slices")
