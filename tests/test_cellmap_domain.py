@@ -10,7 +10,6 @@ source tree.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -114,44 +113,3 @@ def test_written_metadata_reads_back(tmp_path):
     assert s1.translation == (4.0, 8.0, 108.0)
     np.testing.assert_allclose(s0.box_min, s1.box_min)  # both levels cover the same box
     np.testing.assert_allclose(s0.box_max, s1.box_max)
-
-
-# ---------------------------------------------------------------------------------------------
-# One owner per fact: each definition appears once in the source tree
-# ---------------------------------------------------------------------------------------------
-
-SOURCE_DIRS = ("torchtitan", "helpers", "bench")
-
-
-def _sources() -> dict[str, str]:
-    files = [p for d in SOURCE_DIRS for p in (REPO / d).rglob("*.py")]
-    files += list(REPO.glob("*.py"))
-    return {str(p.relative_to(REPO)): p.read_text() for p in files}
-
-
-@pytest.mark.parametrize("what, pattern, owner", [
-    ("the class table", r'\(\d+, "mito", ', "torchtitan/cellmap/classes.py"),
-    ("the instance classes", r"^INSTANCE_CLASSES\b.*=", "torchtitan/cellmap/classes.py"),
-    ("the label rule", r"^def label_to_target\b", "torchtitan/cellmap/labels.py"),
-    ("the label values", r"^ABSENT, PRESENT, UNKNOWN =", "torchtitan/cellmap/labels.py"),
-    ("the grid type", r"^class (Grid|ScaleLevel)\b", "torchtitan/cellmap/grids.py"),
-    ("the multiscales metadata", r'"coordinateTransformations": \[', "torchtitan/cellmap/ome_ngff.py"),
-    ("the multiscales reader", r"^def read_multiscales\b", "torchtitan/cellmap/ome_ngff.py"),
-    ("the parts of a class", r"_HAS_MEMBRANE_AND_LUMEN|CLASS_PARENTS", None),
-])
-def test_each_fact_has_one_owner(what, pattern, owner):
-    regex = re.compile(pattern, re.MULTILINE)
-    where = sorted(path for path, text in _sources().items() if regex.search(text))
-    assert where == ([owner] if owner else []), f"{what} is defined in {where}; only in {owner}"
-
-
-def test_no_second_label_rule():
-    """Nothing outside the domain layer compares label values with the encoding itself."""
-    regex = re.compile(r"\b(raw|plane|labels)\s*[!=]=\s*(present|absent|unknown|PRESENT|UNKNOWN|ABSENT)\b")
-    where = sorted(p for p, text in _sources().items()
-                   if regex.search(text) and not p.startswith("torchtitan/cellmap/"))
-    assert where == []
-
-
-# That the domain layer imports nothing above it (floor 2 of the house plan) is checked with the
-# other floors in tests/test_floors.py.

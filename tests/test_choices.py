@@ -1,11 +1,9 @@
-"""The names the config offers (``torchtitan.choices``) are the names the implementations
-register, and the config's options take their choices from there, not from copies."""
+"""Every name the config offers (``torchtitan.choices``) builds what it names, and the shared
+facts there (EM scale, isotropy, voxel-size equality) behave as the readers rely on."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,71 +100,3 @@ def test_voxel_sizes_compare_with_the_one_tolerance():
     assert choices.same_voxel_size((40.0, 4.0, 4.0), np.array([40.0, 4.0, 4.0 + 1e-9]))
     assert not choices.same_voxel_size((40.0, 4.0, 4.0), (4.0, 4.0, 4.0))
     assert not choices.same_voxel_size((4.0, 4.0), (4.0, 4.0, 4.0))
-
-
-def test_no_module_compares_voxel_sizes_with_its_own_tolerance():
-    """Voxel sizes are equal by choices.same_size / same_voxel_size, not by a local rtol."""
-    package = Path(choices.__file__).parent
-    pattern = re.compile(r"rel_tol\s*=\s*1e-6|rtol\s*=\s*1e-6")
-    found = [f"{p.relative_to(package)}:{i}" for p in sorted(package.rglob("*.py"))
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
-    assert found == []
-
-
-def test_no_module_renames_a_choice():
-    """A constant of ``torchtitan.choices`` keeps its one name: no module binds a second name
-    to it (``THRESHOLD = PROBABILITY_THRESHOLD``), which would let the two drift apart."""
-    import re
-    from pathlib import Path
-
-    package = Path(choices.__file__).parent
-    names = [n for n in vars(choices) if n.isupper()]
-    alias = re.compile(rf"^(\w+)[ \t]*=[ \t]*(?:choices\.)?({'|'.join(names)})[ \t]*(#.*)?$", re.M)
-    found = [f"{path.relative_to(package)}: {m.group(1)} = {m.group(2)}"
-             for path in package.rglob("*.py") if path.name != "choices.py"
-             for m in alias.finditer(path.read_text()) if m.group(1) != m.group(2)]
-    assert not found, found
-
-
-# The grid facts (and the EM input's scale) and their one owner each; a second copy of the formula elsewhere in
-# torchtitan/ fails the test below (code only, as tokens joined by single spaces: docstrings
-# and comments may state the rule; the owner names its slack and tolerances).
-# Other modules that match a pattern for another fact are listed with that fact.
-GRID_FACTS = {
-    "the voxel centre, origin + (i + 0.5) * voxel size": (
-        r"\+ 0\.5 \) \*", "torchtitan/cellmap/grids.py",
-        {"torchtitan/models/resize.py": "a resize's source pixel position, not a world grid"}),
-    "a grid's shape from an extent, with float slack": (
-        r"(floor|ceil) \([^)]*/[^)]*[+-] 1e-\d", "torchtitan/cellmap/grids.py",
-        {"torchtitan/postprocess/masks.py": "a volume floor in voxels (min_object_voxels)",
-         "torchtitan/data/sampling/augment.py": "the reach of an augmentation, in voxels"}),
-    "the voxel-size tolerance": (
-        r"rtol = 1e-|\( 1 [+-] 1e-\d", "torchtitan/choices.py",
-        {"torchtitan/checkpoint/convert.py": "RoPE periods of a checkpoint, not voxel sizes"}),
-    "EM as the model's input, em / EM_SCALE - 1 (and its inverse)": (
-        r"\bEM_SCALE\b", "torchtitan/data/crops/reader.py",
-        {"torchtitan/choices.py": "the scale's definition"}),
-    "the position tolerance, nm": (
-        r"tol = 1e-3\b|[<>] [a-z_]+ [+-] 1e-3\b", "torchtitan/cellmap/grids.py",
-        {"torchtitan/prediction/submission.py": "a thousandth of the crop's voxel, not of a nm"}),
-}
-
-
-def _code_only(path: Path) -> str:
-    """The source of ``path`` without its strings and comments."""
-    import io
-    import tokenize
-
-    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    return " ".join(t.string for t in tokens
-                    if t.type not in (tokenize.STRING, tokenize.COMMENT, tokenize.NL))
-
-
-@pytest.mark.parametrize("fact", sorted(GRID_FACTS))
-def test_each_grid_fact_is_written_once(fact):
-    pattern, owner, others = GRID_FACTS[fact]
-    root = Path(__file__).resolve().parents[1]
-    found = {str(p.relative_to(root)) for p in sorted((root / "torchtitan").rglob("*.py"))
-             if re.search(pattern, _code_only(p))}
-    assert found - {owner} - set(others) == set(), (
-        f"{fact}: written again in {sorted(found - {owner} - set(others))}; import it from {owner}")

@@ -51,12 +51,11 @@ def _pip_install_requirements(python: Path, *options: str) -> subprocess.Complet
 
 
 def _commands_run_from_anywhere(python: Path, where: Path, extra: list[list[str]] = ()) -> None:
-    """Every helper's --help and the scoring command's --help (also under its earlier name),
+    """Every helper's --help and the scoring command's --help,
     run by ``python`` from a folder outside the repository (so only the installed project can be
     imported), in parallel."""
     cmds = [[python, h, "--help"] for h in HELPERS]
-    cmds += [[python, "-m", "torchtitan.scoring", "--help"],
-             [python, "-m", "torchtitan.evaluation", "--help"], *extra]
+    cmds += [[python, "-m", "torchtitan.scoring", "--help"], *extra]
     procs = [subprocess.Popen([str(c) for c in cmd], cwd=where, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for cmd in cmds]
     for cmd, proc in zip(cmds, procs):
