@@ -62,7 +62,7 @@ import torch
 from torchtitan.inference.sliding_window import blending_weights, grid_starts, predict_volume
 from torchtitan.models import (MaskedAutoencoder, SegmentationModel, build_backbone,
                                training_flops_per_sample, use_attention)
-from torchtitan.models.attention import _fa4_function, fa4_unavailable_reason
+from torchtitan.models.attention import _fa4_kernels, fa4_unavailable_reason
 
 # Sibling scripts: `python bench/gpu.py` puts bench/ first on the import path (bench/ is a
 # folder of scripts, not an installed package).
@@ -145,7 +145,7 @@ def attention_status(backend: str, device: torch.device) -> str | None:
     """None when ``backend`` can run here, else what the row should say."""
     if backend == "sdpa":
         return None
-    if _fa4_function() is None:
+    if _fa4_kernels() is None:
         return "not installed (pip install -r requirements-gpu.txt)"
     return fa4_unavailable_reason(device)
 

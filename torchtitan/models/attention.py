@@ -8,7 +8,11 @@ non-causal, no mask (ViT encoders attend densely). Backends:
 * ``"fa4"``: FlashAttention-4 (``flash_attn.cute`` from the optional PyPI package
   ``flash-attn-4``, CuTe-DSL kernels) on NVIDIA Hopper
   (sm90) or Blackwell (sm100/sm110) GPUs. It only takes fp16/bf16 inputs; float32 inputs are
-  cast to bf16 for the kernel and the output is cast back.
+  cast to bf16 for the kernel and the output is cast back. The kernel is called through the
+  custom op ``torch.ops.torchtitan_em.fa4_attention`` (forward, FA4's own backward as its
+  registered autograd, and a fake implementation for tracing), so ``torch.compile(fullgraph=
+  True)`` traces a block that uses it and selective activation checkpointing can keep its
+  output (``parallelisms/parallelize.py``) instead of running the kernel again.
 
 ``resolve_attention_backend`` turns a configured name ("sdpa", "fa4", "auto") into one of
 the two backends for a given device, failing early with an actionable message. The trainer and
@@ -37,13 +41,16 @@ _FA4_ARCH_MAJORS = (9, 10, 11)
 
 
 @functools.lru_cache(maxsize=1)
-def _fa4_function():
-    """Import FA4's ``flash_attn_func`` once; None when the package is not installed."""
+def _fa4_kernels():
+    """FA4's forward and backward functions (``flash_attn.cute.interface._flash_attn_fwd`` and
+    ``_flash_attn_bwd``, what its own ``flash_attn_func`` autograd calls), imported once; None
+    when the package is not installed or lacks them."""
     try:
-        from flash_attn.cute import flash_attn_func  # type: ignore[import-not-found]
-    except Exception:  # ImportError, or a broken CUDA/CuTe install that fails at import
-        return None
-    return flash_attn_func
+        from flash_attn.cute import interface  # type: ignore[import-not-found]
+
+        return interface._flash_attn_fwd, interface._flash_attn_bwd
+    except Exception:  # ImportError, a broken CUDA/CuTe install that fails at import, or a
+        return None    # version whose internals moved
 
 
 def fa4_unavailable_reason(device: torch.device | str) -> str | None:
@@ -59,8 +66,9 @@ def fa4_unavailable_reason(device: torch.device | str) -> str | None:
             f"FlashAttention-4 supports Hopper (sm90) and Blackwell (sm100) GPUs; "
             f"this GPU is sm{major}{minor}"
         )
-    if _fa4_function() is None:
-        return "the package `flash_attn.cute` (FlashAttention-4) is not installed"
+    if _fa4_kernels() is None:
+        return ("the package `flash_attn.cute` (FlashAttention-4, with its `_flash_attn_fwd` "
+                "and `_flash_attn_bwd`) is not installed")
     return None
 
 
@@ -99,15 +107,71 @@ def _auto_backend_for(device: torch.device) -> str:
     return resolve_attention_backend("auto", device)
 
 
+# --------------------------------------------------------------------------- FA4 as an op
+# The FA4 kernels are opaque to torch.compile (CuTe DSL JIT, Python-side caches) and FA4's
+# own ``flash_attn_func`` is a Python autograd.Function, which dynamo must trace through and
+# which selective AC cannot name. As a custom op the kernel is one node in the graph: the fake
+# implementation gives its output shapes to the tracer, the registered autograd calls FA4's
+# backward kernel on what the forward saved (q, k, v, out, lse), and per-op AC policies can
+# save it by its overload, ``torch.ops.torchtitan_em.fa4_attention.default``.
+# Only a CUDA implementation is registered: on any other device the op has no kernel.
+
+
+@torch.library.custom_op("torchtitan_em::fa4_attention", mutates_args=(), device_types="cuda")
+def fa4_attention_op(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Non-causal FA4 forward: q, k, v (B, N, heads, head_dim) fp16/bf16 -> (out (B, N,
+    heads, head_dim) in their dtype, lse (B, heads, N) float32)."""
+    fwd, _ = _fa4_kernels()
+    out, lse, *_ = fwd(q, k, v, causal=False, return_lse=True)
+    return out, lse
+
+
+@fa4_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    B, N, H, _ = q.shape
+    return q.new_empty(B, N, H, v.shape[-1]), q.new_empty(B, H, N, dtype=torch.float32)
+
+
+@torch.library.custom_op("torchtitan_em::fa4_attention_backward", mutates_args=(),
+                         device_types="cuda")
+def fa4_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                              lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """FA4's backward kernel: (dq, dk, dv) of :func:`fa4_attention_op`."""
+    _, bwd = _fa4_kernels()
+    dq, dk, dv = bwd(q, k, v, out, dout, lse, causal=False)[:3]
+    return dq, dk, dv
+
+
+@fa4_attention_backward_op.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+      ) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_setup_context(ctx, inputs, output) -> None:
+    q, k, v = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _fa4_backward(ctx, dout: Tensor, dlse: Tensor | None):
+    # The lse output is for the backward only (nothing downstream differentiates it): its
+    # gradient is ignored, as in FA4's own autograd without return_lse.
+    q, k, v, out, lse = ctx.saved_tensors
+    return torch.ops.torchtitan_em.fa4_attention_backward(dout.contiguous(), q, k, v, out, lse)
+
+
+fa4_attention_op.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
+# The overload that per-op activation checkpointing policies name.
+FA4_OP = torch.ops.torchtitan_em.fa4_attention.default
+
+
 def _fa4_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """FA4 takes (B, N, heads, head_dim) in fp16/bf16 and may also return the log-sum-exp."""
-    flash_attn_func = _fa4_function()
+    """FA4 takes (B, N, heads, head_dim) in fp16/bf16: transpose views in and out, cast."""
     in_dtype = q.dtype
     kernel_dtype = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     q, k, v = (t.transpose(1, 2).to(kernel_dtype) for t in (q, k, v))
-    out = flash_attn_func(q, k, v, causal=False)
-    if isinstance(out, tuple):  # (out, lse) in some versions
-        out = out[0]
+    out, _ = torch.ops.torchtitan_em.fa4_attention(q, k, v)
     return out.transpose(1, 2).to(in_dtype)
 
 

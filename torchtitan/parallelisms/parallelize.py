@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.models.attention import FA4_OP
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.tensor_parallel import apply_tp, check_divisible, is_strided_tp
@@ -98,6 +99,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    FA4_OP,  # FlashAttention-4 (torch.ops.torchtitan_em.fa4_attention)
 }
 
 
