@@ -33,13 +33,106 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
+
+import numpy as np
 
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops import layout, reader
 from torchtitan.data.io.stores import StoreContext
 from torchtitan.errors import UserError
-from torchtitan.postprocess.masks import FILL_HOLES_MODES, PostProcessing, combine_steps, format_table, measure
+from torchtitan.cellmap.classes import INSTANCE_CLASSES
+from torchtitan.choices import PROBABILITY_THRESHOLD
+from torchtitan.postprocess.masks import FILL_HOLES_MODES, PostProcessing, postprocess
+from torchtitan.scoring.metrics import combine_scores, score_crop
 from torchtitan.scoring.stores import open_submission, prediction_level, read_truth
+
+
+def steps(pp: PostProcessing) -> dict[str, PostProcessing]:
+    """``raw``, each step that ``pp`` enables on its own, and ``all`` (``pp`` itself) when more
+    than one step is enabled: what :func:`measure` compares for a :class:`PostProcessing`."""
+    raw = PostProcessing(watershed_neck_ratio=pp.watershed_neck_ratio,
+                         boundary_seed_nm=pp.boundary_seed_nm)
+    out = {"raw": raw}
+    if pp.min_object_nm3 > 0:
+        out["min_object"] = replace(raw, min_object_nm3=pp.min_object_nm3)
+    if pp.fill_holes != "none":
+        out[f"fill_holes_{pp.fill_holes}"] = replace(
+            raw, fill_holes=pp.fill_holes, fill_holes_classes=pp.fill_holes_classes)
+    if pp.instances != "components":
+        out[pp.instances] = replace(raw, instances=pp.instances)
+    if pp.boundary_instances:
+        out["boundaries"] = replace(raw, boundary_instances=True)
+    if len(out) > 2:
+        out["all"] = pp
+    return out
+
+
+def measure(probabilities: dict, truth: dict, voxel_size, pp, valid: dict | None = None,
+            threshold: float = PROBABILITY_THRESHOLD,
+            instance_classes=INSTANCE_CLASSES) -> dict[str, dict]:
+    """Scores of one crop raw and after each post-processing step.
+
+    ``probabilities``: ``{class: probabilities or boolean mask}`` on the grid of ``truth``
+    (``{class: mask or instance ids}``, the classes the crop annotates); ``valid``:
+    ``{class: voxels that count}`` (missing: all); ``voxel_size``: nm per axis of that grid.
+    ``pp``: a :class:`PostProcessing` (compared step by step, :func:`steps`)
+    or ``{step name: PostProcessing}`` to compare any settings. Returns ``{step:
+    score_crop result}`` (:func:`torchtitan.scoring.metrics.score_crop`).
+    """
+    steps_ = steps(pp) if isinstance(pp, PostProcessing) else dict(pp)
+    masks = {}
+    for name, p in probabilities.items():
+        p = np.asarray(p)
+        masks[name] = p > threshold if p.dtype.kind == "f" else p.astype(bool)
+    return {step: score_crop(postprocess(masks, voxel_size, settings, instance_classes), truth,
+                             valid or {}, voxel_size, instance_classes)
+            for step, settings in steps_.items()}
+
+
+def combine_steps(measured: list[dict[str, dict]]) -> dict[str, dict]:
+    """Pool several crops' :func:`measure` results: ``{step: combine_scores result}``."""
+    steps = list(measured[0]) if measured else []
+    return {step: combine_scores([m[step] for m in measured]) for step in steps}
+
+
+def format_table(combined: dict[str, dict], classes=None) -> str:
+    """A text table (Markdown) of per-class IoU, Dice, instance F1 and instance score (and,
+    for the classes scored as neurons, VOI split + merge and ARAND) for each step of
+    :func:`combine_steps`, with the change against ``raw``."""
+    raw = combined.get("raw", {}).get("classes", {})
+    names = list(classes) if classes else sorted({c for r in combined.values() for c in r["classes"]})
+    keys = ["iou", "dice", "f1", "score"]
+    header = "| class | step | IoU | Dice | instance F1 | instance score |"
+    if any("voi" in c for r in combined.values() for c in r["classes"].values()):
+        keys += ["voi", "arand"]
+        header += " VOI | ARAND |"
+    lines = [header, "|---" * (len(keys) + 2) + "|"]
+
+    def cell(scores, base, key):
+        value = scores.get(key)
+        if value is None:
+            return "-"
+        ref = base.get(key) if base else None
+        if ref is None or scores is base:
+            return f"{value:.3f}"
+        return f"{value:.3f} ({value - ref:+.3f})"
+
+    for name in names:
+        for step, result in combined.items():
+            scores = result["classes"].get(name)
+            if scores is None:
+                continue
+            base = raw.get(name)
+            lines.append(f"| {name} | {step} | " + " | ".join(
+                cell(scores, base, k) for k in keys) + " |")
+    for step, result in combined.items():
+        o = result["overall"]
+        mean_iou, mean_instance = (f"{v:.3f}" if v is not None else "-"
+                                   for v in (o["mean_semantic_iou"], o["mean_instance_score"]))
+        lines.append(f"| mean | {step} | {mean_iou} (semantic classes) | | | {mean_instance} |"
+                     + " |" * (len(keys) - 4))
+    return "\n".join(lines)
 
 
 def _floats(text: str) -> list[float]:

@@ -10,13 +10,11 @@ affinities made from known objects.
 from __future__ import annotations
 
 from itertools import product
-from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.ndimage as ndi
 import torch
-from conftest import script_module
 
 from test_import_h5 import write_h5
 from test_import_stack import imported
@@ -29,8 +27,7 @@ from torchtitan.data.volume_source import build_source
 from torchtitan.errors import ConfigError
 from torchtitan.choices import AFFINITY_CUTS
 from torchtitan.postprocess.affinities import (absorb_small, affinity_instances,
-                                               graph_instances, mutex_objects, mutex_watershed,
-                                               mutex_weights)
+                                               graph_instances, mutex_watershed)
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.scoring.metrics import label_instances
 
@@ -339,55 +336,6 @@ def test_graph_cuts_take_given_fragments():
     assert (one == 1).all()
     with pytest.raises(ValueError, match="fragments of shape"):
         graph_instances(aff, LONG, "mutex_graph", fragments=ids[1:])
-
-
-def test_fragment_rules_of_the_fragments_bench(monkeypatch):
-    """``bench/neuron_fragments.py``'s rules: every rule covers the volume; on clean
-    affinities no fragment of the basin rules straddles two objects, and one that absorbs
-    small basins holds at most one of the others; an unknown rule is refused by name."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    bench = script_module("bench/neuron_fragments.py")
-    ids = three_objects()
-    ids[ids == 0] = 4
-    aff = np.where(predicted(ids, LONG) > 0.5, 0.98, 0.02)  # sure: every rule has seeds
-    for rule in bench.RULES:
-        frag = bench.fragments(rule, aff, LONG)
-        assert frag.shape == ids.shape and (frag > 0).all(), rule
-        if "<" in rule:  # small basins join a neighbour, so small objects may go too
-            basins = bench.fragments("basins", aff, LONG)
-            values, sizes = np.unique(basins, return_counts=True)
-            large = np.isin(basins, values[sizes >= int(rule.partition("<")[2])])
-            pairs = np.unique(np.stack([frag[large], basins[large]]), axis=1)
-            assert len(np.unique(pairs[0])) == pairs.shape[1], rule
-            assert len(np.unique(frag)) < len(values), rule
-        elif rule.startswith("basins"):
-            pairs = np.unique(np.stack([frag.ravel(), ids.ravel()]), axis=1)
-            assert len(np.unique(pairs[0])) == pairs.shape[1], rule
-    with pytest.raises(ValueError, match="fragment rule 'nope'"):
-        bench.fragments("nope", aff, LONG)
-
-
-def test_the_mutex_cut_after_its_strongest_edges_needs_only_their_clusters_graph(monkeypatch):
-    """``bench/mutex_locality.py``'s decomposition: the pixel mutex watershed over the edges
-    above a level, then the graph of its clusters (each pair keeping its strongest edge) cut by
-    the same rule, gives the whole cut's objects at every level; and a box's tie-broken weights
-    are the whole volume's there, so a block takes its edges in the whole's order."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    bench = script_module("bench/mutex_locality.py")
-    ids = three_objects((8, 12, 14))
-    ids[ids == 0] = 4
-    aff = np.round(predicted(ids, LONG, noise=0.25, seed=3) * 16) / 16  # many ties
-    weights = bench.tie_broken(mutex_weights(aff, LONG, 0.4, 0.6), (0, 0, 0))
-    assert len(np.unique(weights[weights != 0])) == np.count_nonzero(weights)  # no ties left
-    whole = mutex_objects(weights, LONG)
-    assert 4 < len(np.unique(whole)) < ids.size // 4  # a real cut: neither one object nor voxels
-    for level in (0.55, 0.4, 0.2, 0.05):
-        clusters = bench.prefix(weights, LONG, level)
-        objects, edges = bench.graph_cut(clusters, weights, LONG)
-        assert same_partition(objects, whole), level
-        assert 0 < edges
-    box = bench.tie_broken(mutex_weights(aff[:, 1:, 2:, 3:], LONG, 0.4, 0.6), (1, 2, 3))
-    assert np.array_equal(box, weights[:, 1:, 2:, 3:])
 
 
 def test_2d_cuts():

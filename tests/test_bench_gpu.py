@@ -1,6 +1,5 @@
-"""bench/gpu.py --dry-run (every section on the CPU at toy sizes), bench/model_step.py --tiny
-and bench/resized_loss.py at a toy size run to the end and print a row for everything they
-measure."""
+"""bench/gpu.py --dry-run (every section on the CPU at toy sizes) and bench/model_step.py
+--tiny at a toy size run to the end and print a row for everything they measure."""
 
 from __future__ import annotations
 
@@ -105,19 +104,3 @@ def test_model_step_tiny_compares_every_model():
     # Ours and timm's DINOv3 compute the same tokens from the same weights.
     parity = re.search(r"relative ([0-9.e+-]+);", out)
     assert parity and float(parity.group(1)) < 1e-4, out
-
-
-def test_resized_loss_bench_keeps_far_less_for_the_backward():
-    """Every loss gets a row; the sigmoid losses, taken slab by slab, keep a small fraction of
-    what the whole resized logits keep for the backward pass."""
-    out = _run("bench/resized_loss.py", "--size", "48", "--patch", "8", "--repeats", "1")
-    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")]
-            for r in out.splitlines() if r.startswith("| ") and "---" not in r
-            and not r.startswith("| loss")}
-    assert sorted(rows) == ["bce", "bce_dice", "ce", "dice"], out
-    for name in ("bce", "dice", "bce_dice"):
-        slabs, whole = (float(rows[name][c].split()[0]) for c in (5, 6))
-        assert slabs < whole / 20, rows[name]
-        assert float(rows[name][4]) > 0, rows[name]  # compiled, timed
-    floor = re.search(r"floor of bce: ([0-9.]+) ms", out)
-    assert floor and float(floor.group(1)) > 0, out

@@ -60,7 +60,6 @@ def test_postprocess_cuts_cell_by_pm_only_when_asked_and_both_are_predicted():
     assert out["cell"].max() == 2 and out["pm"].dtype == bool
     assert postprocess(masks, (10, 10, 10), PostProcessing(instances="watershed"))["cell"].max() == 1
     assert postprocess({"cell": inside}, (10, 10, 10), on)["cell"].max() == 1  # no pm: components
-    assert "boundaries" in on.steps()
 
 
 def test_bad_seed_distance_names_the_option():

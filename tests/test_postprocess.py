@@ -8,7 +8,7 @@ import pytest
 import scipy.ndimage as ndi
 import zarr
 
-from conftest import debug_run, launch, read_jsonl
+from conftest import debug_run, launch, read_jsonl, script_module
 from torchtitan.cellmap.classes import INSTANCE_CLASSES
 from torchtitan.config.manager import ConfigManager
 from torchtitan.errors import ConfigError
@@ -17,10 +17,7 @@ from torchtitan.postprocess.masks import (
     PostProcessing,
     PostProcessingError,
     clean_mask,
-    combine_steps,
     fill_holes,
-    format_table,
-    measure,
     min_object_voxels,
     postprocess,
     remove_small_objects,
@@ -178,11 +175,15 @@ def test_clean_mask_applies_the_classes_steps_only():
 
 
 def test_measure_compares_raw_with_each_step():
+    """``bench/postprocess.py`` scores each post-processing step against the raw masks."""
+    bench = script_module("bench/postprocess.py")
+    steps, measure, combine_steps, format_table = (
+        bench.steps, bench.measure, bench.combine_steps, bench.format_table)
     mask, truth = two_touching_balls()
     prob = np.where(mask, 0.9, 0.1).astype(np.float32)
     prob[1, 1, 1:3] = 0.8  # a false-positive speck
     pp = PostProcessing(min_object_nm3=10 * 512, instances="watershed")
-    assert list(pp.steps()) == ["raw", "min_object", "watershed", "all"]
+    assert list(steps(pp)) == ["raw", "min_object", "watershed", "all"]
     scores = measure({"mito": prob}, {"mito": truth}, V8, pp)
     f1 = {step: s["classes"]["mito"]["f1"] for step, s in scores.items()}
     # raw: one merged object and a speck against two balls; watershed splits the balls; the

@@ -49,15 +49,15 @@ Floor 3: imports the CellMap domain (instance classes), ``evaluation`` and ``err
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.ndimage as ndi
 
 from torchtitan.cellmap.classes import INSTANCE_CLASSES, MEMBRANE_OF
-from torchtitan.choices import AFFINITY_CUTS, PROBABILITY_THRESHOLD
+from torchtitan.choices import AFFINITY_CUTS
 from torchtitan.errors import UserError
-from torchtitan.scoring.metrics import combine_scores, label_instances, score_crop
+from torchtitan.scoring.metrics import label_instances
 from torchtitan.postprocess.affinities import affinity_instances
 from torchtitan.postprocess.neurons import boundary_instances
 
@@ -161,25 +161,6 @@ class PostProcessing:
     def fills(self, name: str) -> bool:
         return self.fill_holes != "none" and (not self.fill_holes_classes
                                               or name in self.fill_holes_classes)
-
-    def steps(self) -> dict[str, PostProcessing]:
-        """``raw``, each enabled step on its own, and ``all`` (these settings) when more than
-        one step is enabled: what :func:`measure` compares."""
-        raw = PostProcessing(watershed_neck_ratio=self.watershed_neck_ratio,
-                             boundary_seed_nm=self.boundary_seed_nm)
-        out = {"raw": raw}
-        if self.min_object_nm3 > 0:
-            out["min_object"] = replace(raw, min_object_nm3=self.min_object_nm3)
-        if self.fill_holes != "none":
-            out[f"fill_holes_{self.fill_holes}"] = replace(
-                raw, fill_holes=self.fill_holes, fill_holes_classes=self.fill_holes_classes)
-        if self.instances != "components":
-            out[self.instances] = replace(raw, instances=self.instances)
-        if self.boundary_instances:
-            out["boundaries"] = replace(raw, boundary_instances=True)
-        if len(out) > 2:
-            out["all"] = self
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,75 +371,3 @@ def postprocess(masks: dict, voxel_size, pp: PostProcessing,
                                       None if membrane is None else cleaned[membrane])[0]
         out[name] = mask
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring the steps
-# ---------------------------------------------------------------------------------------------
-
-
-def measure(probabilities: dict, truth: dict, voxel_size, pp, valid: dict | None = None,
-            threshold: float = PROBABILITY_THRESHOLD,
-            instance_classes=INSTANCE_CLASSES) -> dict[str, dict]:
-    """Scores of one crop raw and after each post-processing step.
-
-    ``probabilities``: ``{class: probabilities or boolean mask}`` on the grid of ``truth``
-    (``{class: mask or instance ids}``, the classes the crop annotates); ``valid``:
-    ``{class: voxels that count}`` (missing: all); ``voxel_size``: nm per axis of that grid.
-    ``pp``: a :class:`PostProcessing` (compared step by step, :meth:`PostProcessing.steps`)
-    or ``{step name: PostProcessing}`` to compare any settings. Returns ``{step:
-    score_crop result}`` (:func:`torchtitan.scoring.metrics.score_crop`).
-    """
-    steps = pp.steps() if isinstance(pp, PostProcessing) else dict(pp)
-    masks = {}
-    for name, p in probabilities.items():
-        p = np.asarray(p)
-        masks[name] = p > threshold if p.dtype.kind == "f" else p.astype(bool)
-    return {step: score_crop(postprocess(masks, voxel_size, settings, instance_classes), truth,
-                             valid or {}, voxel_size, instance_classes)
-            for step, settings in steps.items()}
-
-
-def combine_steps(measured: list[dict[str, dict]]) -> dict[str, dict]:
-    """Pool several crops' :func:`measure` results: ``{step: combine_scores result}``."""
-    steps = list(measured[0]) if measured else []
-    return {step: combine_scores([m[step] for m in measured]) for step in steps}
-
-
-def format_table(combined: dict[str, dict], classes=None) -> str:
-    """A text table (Markdown) of per-class IoU, Dice, instance F1 and instance score (and,
-    for the classes scored as neurons, VOI split + merge and ARAND) for each step of
-    :func:`combine_steps`, with the change against ``raw``."""
-    raw = combined.get("raw", {}).get("classes", {})
-    names = list(classes) if classes else sorted({c for r in combined.values() for c in r["classes"]})
-    keys = ["iou", "dice", "f1", "score"]
-    header = "| class | step | IoU | Dice | instance F1 | instance score |"
-    if any("voi" in c for r in combined.values() for c in r["classes"].values()):
-        keys += ["voi", "arand"]
-        header += " VOI | ARAND |"
-    lines = [header, "|---" * (len(keys) + 2) + "|"]
-
-    def cell(scores, base, key):
-        value = scores.get(key)
-        if value is None:
-            return "-"
-        ref = base.get(key) if base else None
-        if ref is None or scores is base:
-            return f"{value:.3f}"
-        return f"{value:.3f} ({value - ref:+.3f})"
-
-    for name in names:
-        for step, result in combined.items():
-            scores = result["classes"].get(name)
-            if scores is None:
-                continue
-            base = raw.get(name)
-            lines.append(f"| {name} | {step} | " + " | ".join(
-                cell(scores, base, k) for k in keys) + " |")
-    for step, result in combined.items():
-        o = result["overall"]
-        mean_iou, mean_instance = (f"{v:.3f}" if v is not None else "-"
-                                   for v in (o["mean_semantic_iou"], o["mean_instance_score"]))
-        lines.append(f"| mean | {step} | {mean_iou} (semantic classes) | | | {mean_instance} |"
-                     + " |" * (len(keys) - 4))
-    return "\n".join(lines)

@@ -166,25 +166,3 @@ def pool_neuron_scores(entries: list[dict]) -> dict:
                     for k in ("voi_split", "voi_merge"))
     return {"voi_split": float(split), "voi_merge": float(merge), "voi": float(split + merge),
             "arand": adapted_rand_error(sums), **sums}
-
-
-def matching_agreement(a, b) -> float:
-    """The share of voxels on which two id volumes agree once their ids are matched one to one,
-    greedily by overlap (largest first): 1.0 for the same partition under other numbers. How
-    block-by-block results are compared with whole-volume ones (0 counts as an id)."""
-    a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
-    if a.shape != b.shape:
-        raise ValueError(f"id volumes of {a.size} and {b.size} voxels")
-    if not a.size:
-        return 1.0
-    _, ia = np.unique(a, return_inverse=True)
-    _, ib = np.unique(b, return_inverse=True)
-    pairs, counts = np.unique(np.stack([ia.ravel(), ib.ravel()]), axis=1, return_counts=True)
-    used_a, used_b, agreed = set(), set(), 0
-    for i in np.argsort(-counts, kind="stable"):
-        x, y = int(pairs[0, i]), int(pairs[1, i])
-        if x not in used_a and y not in used_b:
-            used_a.add(x)
-            used_b.add(y)
-            agreed += int(counts[i])
-    return agreed / a.size
