@@ -586,7 +586,7 @@ def main(argv=None) -> int:
                    "one more when compiled)")
     p.add_argument("--adamw", choices=("foreach", "for-loop", "fused"), default="fused",
                    help="AdamW implementation, the same for every model (default fused, "
-                   "the trainer's optimizer.implementation default)")
+                   "what the trainer runs where torch has a fused kernel)")
     p.add_argument("--gemm", type=int, default=4096, help="edge of the peak-rate GEMM")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--multiscale", action="store_true",

@@ -63,16 +63,19 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     # Decaying group first (the historical order), then by depth: a fixed, documented order;
     # a backbone kept apart comes last, so that the logged LR (group 0's) is the head's.
     ordered = [groups[k] for k in sorted(groups, key=lambda k: (k[2], not k[1], k[0]))]
-    implementation = o.implementation
-    if implementation != "for-loop" and len({_placement_kind(p) for _, p in named}) > 1:
+    # torch's fused kernel (one multithreaded kernel per parameter, CPU and GPU), where it
+    # can take every parameter; else the batched foreach ops; one op at a time only where the
+    # parameters are of mixed kinds. All compute the same update to float rounding.
+    implementation = "fused"
+    if len({_placement_kind(p) for _, p in named}) > 1:
         # Tensor parallelism leaves some parameters plain and others DTensors (or DTensors on
         # different meshes); a fused or foreach kernel takes only one kind per call.
-        logger.info("optimizer: parameters are of mixed kinds (tensor parallelism); "
-                    "optimizer.implementation %r falls back to 'for-loop'", implementation)
+        logger.info("optimizer: parameters are of mixed kinds (tensor parallelism); the "
+                    "update runs one parameter at a time")
         implementation = "for-loop"
-    if implementation == "fused" and not _fused_kernels_for(p for _, p in named):
-        logger.warning("optimizer: torch has no fused %s kernel for parameters on %s; "
-                       "optimizer.implementation 'fused' falls back to 'foreach'", o.name,
+    elif not _fused_kernels_for(p for _, p in named):
+        logger.warning("optimizer: torch has no fused %s kernel for parameters on %s; the "
+                       "update runs as batched foreach ops", o.name,
                        sorted({p.device.type for _, p in named}))
         implementation = "foreach"
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True},

@@ -12,6 +12,7 @@ Floor 1: the standard library, the ground floor (``choices``) and the config's p
 """
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torchtitan.choices import (AFFINITY_CUTS, ATTENTION_BACKENDS, HEADS, LOSSES,
                                 OUT_LAYER_SETS, PLANES, PROBABILITY_THRESHOLD, parse_offset)
@@ -140,12 +141,6 @@ class Optimizer:
         "lr * layer_decay^(L - i), its embeddings lr * layer_decay^(L + 1); the head and the "
         "final norm get lr. 1 = off; 0.65-0.85 is usual after pretraining.",
         check=FRACTION,
-    )
-    implementation: str = opt(
-        "fused", "Update kernel: 'fused' (one multithreaded kernel per parameter; CPU and "
-        "GPU), 'foreach' (batched tensor ops) or 'for-loop' (one op at a time, the slowest). "
-        "All compute the same update to float rounding.",
-        choices=("fused", "foreach", "for-loop"),
     )
 
 
@@ -559,6 +554,13 @@ class Comm:
 @dataclass
 class JobConfig:
     """The whole configuration of a run: one attribute per TOML section."""
+
+    # Options that earlier releases had, with what replaced them: a config that still sets
+    # one is refused with this message (torchtitan.config.parsing).
+    REMOVED_OPTIONS: ClassVar[dict[str, str]] = {
+        "optimizer.implementation": "the optimizer runs torch's fused kernel wherever it can "
+        "(else the foreach ops); they compute the same update",
+    }
 
     job: Job = field(default_factory=Job)
     training: Training = field(default_factory=Training)

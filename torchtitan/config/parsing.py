@@ -47,7 +47,8 @@ Rule = tuple[Callable[[Any], bool], str]  # (predicate, what a valid value is)
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None,
-        min: int | float | None = None, check: Rule | None = None) -> Any:
+        min: int | float | None = None, check: Rule | None = None,
+        removed_choices: dict[str, str] | None = None) -> Any:
     """Declare one documented config field.
 
     Args:
@@ -57,8 +58,11 @@ def opt(default: Any, help: str, *, choices: tuple | None = None,
         min: if given, the value (each element, for a list) must be ``>= min``.
         check: ``(predicate, description)``; the value is valid when ``predicate(value)``
             is true, and ``description`` (e.g. ``"must be > 0"``) explains the rule.
+        removed_choices: ``{value: what replaced it}`` for choices that earlier releases
+            offered: such a value is refused with that message.
     """
-    metadata = {"help": help, "choices": choices, "min": min, "check": check}
+    metadata = {"help": help, "choices": choices, "min": min, "check": check,
+                "removed_choices": removed_choices or {}}
     if isinstance(default, list):
         # Dataclasses forbid mutable defaults; give every instance its own copy.
         return field(default_factory=lambda: list(default), metadata=metadata)
@@ -81,6 +85,7 @@ class _Option:
     choices: tuple | None
     min: int | float | None
     check: Rule | None
+    removed_choices: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def element(self) -> type | None:
@@ -93,7 +98,12 @@ class _Option:
         return f"list of {self.element.__name__}" if self.element else self.type.__name__
 
 
-Options = dict[str, dict[str, _Option]]  # section -> field name -> option
+class Options(dict[str, dict[str, _Option]]):
+    """Section -> field name -> :class:`_Option`; ``removed``: ``{'section.key': what
+    replaced it}`` for the options that earlier releases had (the config class's
+    ``REMOVED_OPTIONS``), so that an old config is told what to write instead."""
+
+    removed: dict[str, str] = {}
 
 
 def sections(config_cls: type) -> dict[str, type]:
@@ -104,7 +114,8 @@ def sections(config_cls: type) -> dict[str, type]:
 
 def all_options(config_cls: type) -> Options:
     """Section -> field -> :class:`_Option` for a whole config class, in declaration order."""
-    options: Options = {}
+    options = Options()
+    options.removed = dict(getattr(config_cls, "REMOVED_OPTIONS", {}))
     for section, section_cls in sections(config_cls).items():
         hints = typing.get_type_hints(section_cls)
         options[section] = {}
@@ -116,7 +127,7 @@ def all_options(config_cls: type) -> Options:
             meta = f.metadata
             options[section][f.name] = _Option(
                 key, typ, default, meta.get("help", ""), meta.get("choices"), meta.get("min"),
-                meta.get("check"))
+                meta.get("check"), meta.get("removed_choices", {}))
     return options
 
 
@@ -139,6 +150,9 @@ def _unknown_name_error(options: Options, where: str, section: str,
                         key: str | None = None, bare: str | None = None) -> ConfigError:
     """The error for a name that is no option: an unknown ``section``, an unknown ``key`` of a
     known section, or (``bare`` given: how the user wrote it) a name without a section."""
+    if key is not None and f"{section}.{key}" in options.removed:
+        return ConfigError(f"'{section}.{key}' {_location(where)} is no longer an option: "
+                           f"{options.removed[f'{section}.{key}']}. Remove it from the config.")
     keys = [o.key for fields in options.values() for o in fields.values()]
     homes = [k for k in keys if k.split(".", 1)[1] == (section if bare else key)]
     valid = f"Valid sections: {', '.join(options)}."
@@ -207,6 +221,9 @@ def _rule_problem(option: _Option, value: Any) -> str | None:
     # TOML has nan/inf literals, and float() parses 'nan' and 'inf'.
     if float in (option.type, option.element) and not all(math.isfinite(v) for v in values):
         return "must be a finite number; nan and inf are not allowed"
+    if option.choices is not None and value in option.removed_choices:
+        return (f"no longer offered: {option.removed_choices[value]}; allowed: "
+                + ", ".join(repr(c) for c in option.choices))
     if option.choices is not None and value not in option.choices:
         problem = "allowed: " + ", ".join(repr(c) for c in option.choices)
         if isinstance(value, str):  # catch case slips ('adamw') and typos ('cosin')
