@@ -3,7 +3,7 @@
     python bench/neuron_cuts.py --run vit_aff_s0=outputs/neurons/vit_aff_s0 \\
         --run vit_aff_s1=outputs/neurons/vit_aff_s1 \\
         --cut "mutex=--inference.affinity_cut mutex" \\
-        --cut "agglomerate=--inference.affinity_cut agglomerate" \\
+        --cut "mutex_graph=--inference.affinity_cut mutex_graph" \\
         --cut "boundary=--inference.affinity_cut boundary --inference.boundary_instances true"
 
 Trains nothing. Each run's last checkpoint predicts its validation crops once (the run's

@@ -1,5 +1,5 @@
 """Affinities of instance classes: targets from hand-made id volumes, the loader's samples, the
-three cuts (mutex watershed of voxels and of fragments, agglomeration), and bad input.
+two cuts (mutex watershed of voxels and of fragments), and bad input.
 
 Targets (``torchtitan/cellmap/affinities.py``) are checked against a per-voxel loop over the
 rule; samples are drawn from a real store imported from an HDF5 id volume
@@ -200,11 +200,11 @@ def test_a_class_stored_without_ids_is_refused(tmp_path, capsys):
     (["--affinities.offsets", "0:0:0"], "not all 0"),
     (["--affinities.classes", "mito"], "'data.classes' does not hold"),
     (["--model.loss", "ce"], "needs a multi-label loss"),
-    (["--inference.affinity_cut", "agglomerate", "--affinities.offsets", "1:0:0,0:0:3"],
-     "lacks"),
+    (["--inference.affinity_cut", "agglomerate"], "no longer offered: .*use 'mutex_graph'"),
+    (["--inference.agglomerate_threshold", "0.6"], "no longer an option"),
     (["--inference.affinity_cut", "mutex_graph", "--affinities.offsets", "1:0:0,0:1:0"],
      r"lacks \['0:0:1'\]"),
-    (["--affinities.dice_on", "cuts", "--model.loss", "bce"], "has none; use 'bce_dice'"),
+    (["--affinities.dice_on", "cuts"], "'affinities.dice_on' on the command line is no longer"),
     (["--model.ndim", "2", "--model.crop_size", "32,32", "--data.voxel_size", "8,8,8",
       "--inference.planes", "zyx", "--affinities.offsets", "1:0,0:1"],
      "affinity channels .* differ between those planes"),
@@ -311,17 +311,6 @@ def test_long_stride_thins_the_repulsions_on_the_volume_grid():
     assert objects(aff, long_x, 0.5, 0.6, long_stride=3) == 1
     with pytest.raises(Exception, match="mutex_long_stride = 0"):
         PostProcessing(mutex_long_stride=0)
-
-
-def test_agglomeration_threshold_decides_a_weak_boundary():
-    ids = np.ones((6, 8, 10), np.int64)
-    ids[:, :, 5:] = 2
-    aff = predicted(ids, NEIGHBOURS)
-    aff[2, :, :, 4] = 0.6  # a weak boundary between the two: mean affinity 0.6
-    assert len(np.unique(graph_instances(aff, NEIGHBOURS, "agglomerate",
-                                         agglomerate_threshold=0.5))) == 1
-    assert same_partition(graph_instances(aff, NEIGHBOURS, "agglomerate",
-                                          agglomerate_threshold=0.7), ids)
 
 
 def test_graph_cuts_take_given_fragments():

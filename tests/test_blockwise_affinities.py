@@ -1,6 +1,6 @@
 """Objects cut from affinities block by block (torchtitan/postprocess/blockwise_affinities.py)
 against the whole-volume cuts, on noisy affinities of known objects in a real zarr store, with
-one and two ranks, and the region graph's agglomeration on its own."""
+one and two ranks, and the region graph's edge tables on their own."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torchtitan.postprocess.affinities import affinity_instances, region_graph
 from torchtitan.postprocess.blockwise_affinities import affinity_ids_blockwise
 from torchtitan.postprocess.blockwise_labels import Blocks, Ranks, box_slices
 from torchtitan.postprocess.masks import PostProcessing
-from torchtitan.postprocess.region_graph import mean_affinity_agglomeration, reduce_edges
+from torchtitan.postprocess.region_graph import reduce_edges
 
 OFFSETS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (3, 0, 0), (0, 3, 0), (0, 0, 3), (0, 0, 9))
 SHAPE = (24, 40, 44)
@@ -166,17 +166,6 @@ def test_mask_and_small_objects(region, tmp_path):
                     tmp_path / "s")
     sizes = np.bincount(out.ravel())[1:]
     assert sizes.min() >= 5000 and len(sizes) < len(np.unique(ids))
-
-
-def test_mean_affinity_agglomeration_merges_by_the_mean_of_merged_contacts():
-    # a chain 1 - 2 - 3: 1-2 at 0.9 merges first; then {1,2}-3 has the mean of 2-3 (0.6,
-    # 10 voxels) and 1-3 (0.2, 10 voxels) = 0.4, below 0.5: it stays apart.
-    edges = [(1, 2, 9.0, 10), (2, 3, 6.0, 10), (1, 3, 2.0, 10)]
-    root = mean_affinity_agglomeration([1, 2, 3], edges, 0.5)
-    assert root[1] == root[2] != root[3]
-    root = mean_affinity_agglomeration([1, 2, 3], edges, 0.35)
-    assert root[1] == root[2] == root[3]
-    assert same_partition(np.array(list(root.values())), np.array([1, 1, 1]))
 
 
 def test_edge_tables_add_each_pair_once_with_small_or_huge_ids():

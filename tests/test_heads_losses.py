@@ -398,14 +398,12 @@ def test_task_compiles_its_loss_with_the_model():
     assert results[True][1] == results[False][1]
 
 
-@pytest.mark.parametrize("dice_on", ["joins", "cuts"])
-def test_dice_on_cuts_scores_the_complement_of_the_affinity_channels(dice_on):
-    """affinities.dice_on = "cuts": the Dice term of an affinity channel is that of 1 - p
-    against 1 - t (the class channels and the BCE term as before)."""
+def test_affinity_channels_take_the_bce_and_dice_terms_like_the_classes():
+    """The Dice term of an affinity channel measures the joins (p against t), as for a class
+    channel; the BCE term takes every channel alike."""
     cfg = JobConfig()
     cfg.data.classes = ["cell"]
     cfg.affinities.classes, cfg.affinities.offsets = ["cell"], ["1:0", "0:1"]
-    cfg.affinities.dice_on = dice_on
     m = cfg.model
     m.backbone, m.ndim, m.patch_size, m.crop_size = "vit_debug", 2, 8, [16, 16]
     m.head, m.head_channels, m.loss = "upconv", 16, "bce_dice"
@@ -418,9 +416,6 @@ def test_dice_on_cuts_scores_the_complement_of_the_affinity_channels(dice_on):
     total, count = task.loss_terms(model, batch)
     z = model(batch.image).float()
     p, t, v = torch.sigmoid(z), target.float(), valid.float()
-    if dice_on == "cuts":
-        p = torch.cat([p[:, :1], 1 - p[:, 1:]], 1)
-        t = torch.cat([t[:, :1], 1 - t[:, 1:]], 1)
     bce = F.binary_cross_entropy_with_logits(z, target.float(), reduction="none")
     per_sample = (bce * v).sum((1, 2, 3)) / v.sum((1, 2, 3))
     pt, ps, ts = ((x * v).sum((2, 3)) for x in (p * t, p, t))

@@ -26,7 +26,7 @@ MULTI_LABEL_LOSSES = ("bce", "dice", "bce_dice")
 
 # How post-processing cuts a class with predicted affinities into objects
 # (postprocess/affinities.py implements each).
-AFFINITY_CUTS = ("mutex", "mutex_graph", "agglomerate")
+AFFINITY_CUTS = ("mutex", "mutex_graph")
 
 # Attention kernels (models/attention.py): "auto" takes fa4 where it runs, sdpa otherwise.
 ATTENTION_BACKENDS = ("sdpa", "fa4", "auto")

@@ -106,10 +106,6 @@ def _affinity_problems(config) -> list[str]:
             f"'affinities.classes' = {aff.classes} needs a multi-label loss (each channel its "
             f"own sigmoid), not 'model.loss' = {model.loss!r}; use one of "
             f"{', '.join(map(repr, MULTI_LABEL_LOSSES))}")
-    if aff.dice_on == "cuts" and "dice" not in model.loss:
-        problems.append(
-            f"'affinities.dice_on' = 'cuts' chooses what a Dice term measures, but 'model.loss' "
-            f"= {model.loss!r} has none; use 'bce_dice' or 'dice', or leave dice_on = 'joins'")
     axes = "y:x" if model.ndim == 2 else "z:y:x"
     for text in aff.offsets:
         offset = parse_offset(text)
@@ -123,7 +119,7 @@ def _affinity_problems(config) -> list[str]:
                 f"{model.crop_size}: no voxel of a training window would have its partner "
                 "inside it; use offsets shorter than the crop on every axis")
     cut = config.inference.affinity_cut
-    if cut in ("agglomerate", "mutex_graph") and aff.offsets:
+    if cut == "mutex_graph" and aff.offsets:
         units = {tuple(int(a == axis) for a in range(model.ndim)) for axis in range(model.ndim)}
         given = {parse_offset(t) for t in aff.offsets}
         if not units <= given:

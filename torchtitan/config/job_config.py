@@ -452,11 +452,6 @@ class Affinities:
         "long-range ones after. Empty = the face neighbours plus offsets of about 3 and 9 "
         "voxels of the finest axis along each axis (shorter on a coarser axis).",
         check=(_offsets_rule, "entries must be whole numbers joined by ':', not all 0"))
-    dice_on: str = opt(
-        "joins", "What the Dice term of model.loss measures on the affinity channels: 'joins' "
-        "(the voxel pairs of one object, most pairs) or 'cuts' (the pairs that an object "
-        "boundary separates, the rarer event that the cuts hinge on). BCE treats both alike.",
-        choices=("joins", "cuts"))
 
 
 @dataclass
@@ -511,11 +506,12 @@ class Inference:
         "mutex", "Post-processing of a class with predicted affinities (affinities.classes): "
         "'mutex' (mutex watershed of every offset, long-range ones keeping objects apart), "
         "'mutex_graph' (the same on the region graph of watershed fragments: predict.py's "
-        "blockwise run gives the whole volume's objects), "
-        "'agglomerate' (watershed fragments of the face-neighbour affinities merged while "
-        "their mean affinity is above agglomerate_threshold) or 'boundary' (the affinities "
+        "blockwise run gives the whole volume's objects) or 'boundary' (the affinities "
         "are not used: boundary_instances or inference.instances cut the class). "
-        "torchtitan/postprocess/affinities.py.", choices=AFFINITY_CUTS + ("boundary",))
+        "torchtitan/postprocess/affinities.py.", choices=AFFINITY_CUTS + ("boundary",),
+        removed_choices={"agglomerate": "mean-affinity agglomeration cut neurons worse than "
+                         "the mutex cuts and 6-10x slower (BENCHMARKS.md); use 'mutex_graph' "
+                         "for a graph cut of watershed fragments"})
     mutex_threshold_nearest: float = opt(
         0.5, "affinity_cut = 'mutex' or 'mutex_graph': a face-neighbour edge joins its voxels "
         "(fragments: by their mean) where the predicted affinity is above this and keeps them apart below it (lower: fewer splits).",
@@ -530,9 +526,6 @@ class Inference:
         "along each axis of the volume (the rest left out), so that the repulsions, which "
         "outnumber and out-split the joins, are thinned (Wolf et al. 2018 sub-sample theirs); "
         "1 = every voxel.", min=1)
-    agglomerate_threshold: float = opt(
-        0.5, "affinity_cut = 'agglomerate': regions merge while the mean affinity along their "
-        "contact is above this (lower: fewer, larger objects).", check=FRACTION)
     boundary_seed_nm: float = opt(
         10.0, "boundary_instances: seeds are the parts of the interior farther than this from a "
         "predicted membrane (nm); larger bridges wider gaps in the membrane but splits thin "
@@ -560,6 +553,11 @@ class JobConfig:
     REMOVED_OPTIONS: ClassVar[dict[str, str]] = {
         "optimizer.implementation": "the optimizer runs torch's fused kernel wherever it can "
         "(else the foreach ops); they compute the same update",
+        "affinities.dice_on": "a Dice term of model.loss measures the joins (the voxel pairs "
+        "of one object); on the cuts it gave no better neurons (BENCHMARKS.md)",
+        "inference.agglomerate_threshold": "the 'agglomerate' cut is gone (it cut neurons worse "
+        "than the mutex cuts, 6-10x slower); inference.mutex_threshold_nearest and "
+        "mutex_threshold_long set the mutex cuts",
     }
 
     job: Job = field(default_factory=Job)

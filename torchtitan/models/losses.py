@@ -311,16 +311,6 @@ def build_loss(name: str, class_weights: ClassWeights = None, compiled: bool = F
     return Loss(name, class_weights, compiled)
 
 
-def complement_channels(logits: Tensor, targets: Tensor, first: int) -> tuple[Tensor, Tensor]:
-    """The channels from ``first`` on as their complements: logits ``-z`` (the logit of
-    ``1 - sigmoid(z)``; a linear resize commutes with the sign, so the patch grid's logits may
-    be turned) and targets ``1 - t`` (0/1 where valid; invalid entries are never read). BCE is
-    unchanged; a Dice term then measures the complement, e.g. the cuts between objects rather
-    than the joins within them (``affinities.dice_on``)."""
-    return (torch.cat([logits[:, :first], -logits[:, first:]], dim=1),
-            torch.cat([targets[:, :first], 1 - targets[:, first:]], dim=1))
-
-
 def predict_probabilities(logits: Tensor, loss_name: str) -> Tensor:
     """Per-class probabilities (B, K, ...) matching how a loss reads the logits: a sigmoid
     per class for the multi-label losses, the softmax over [background, classes] without its

@@ -1,7 +1,7 @@
 """Instances from predicted affinities: neurons cut the way connectomics cuts them.
 
 A model with ``[affinities]`` predicts, for each offset, the probability that a voxel and its
-partner at that offset belong to the same object (:mod:`torchtitan.cellmap.affinities`). Three
+partner at that offset belong to the same object (:mod:`torchtitan.cellmap.affinities`). Two
 cuts turn these into object ids, each with a library the field keeps:
 
 * ``mutex`` (Wolf et al. 2018, ``mwatershed``): every offset is an edge of the voxel graph,
@@ -19,13 +19,9 @@ cuts turn these into object ids, each with a library the field keeps:
   (waterz's basins of the face-neighbour affinities) rather than on voxels: each edge between
   two fragments weighted by its mean affinity minus the same thresholds, fragments joined only
   where they touch.
-* ``agglomerate`` (Funke et al. 2018): the same fragments, then the region graph agglomerated
-  hierarchically, always merging the pair of regions with the highest mean face-neighbour
-  affinity along their contact, while that mean is above ``agglomerate_threshold`` (waterz's
-  rule). Long-range channels are not used.
 
-The two graph cuts share their graph and its agglomeration with the blockwise run
-(:mod:`torchtitan.postprocess.region_graph`), which therefore gives their objects block by
+The graph cut shares its graph and its agglomeration with the blockwise run
+(:mod:`torchtitan.postprocess.region_graph`), which therefore gives its objects block by
 block (:mod:`torchtitan.postprocess.blockwise_affinities`); the pixel ``mutex`` cut decides
 with context wider than any block's halo and is only approximated there.
 
@@ -185,16 +181,15 @@ def region_graph(affinities, offsets, fragments=None) -> tuple[RegionGraph, np.n
 
 def graph_instances(affinities, offsets, method: str, *, min_voxels: int = 0,
                     threshold_nearest: float = 0.5, threshold_long: float = 0.5,
-                    agglomerate_threshold: float = 0.5, fragments=None) -> np.ndarray:
+                    fragments=None) -> np.ndarray:
     """Object ids (uint32, 1..n in raster order of their first voxel; 0 where no fragment) of
-    a graph cut (``mutex_graph`` or ``agglomerate``, module docstring) of the whole volume:
+    a graph cut (``mutex_graph``, module docstring; ``keep``: each fragment an object) of the
+    whole volume:
     fragments (``fragments``, by default :func:`basins`), their region graph, its
     agglomeration, small objects absorbed."""
     graph, named = region_graph(affinities, offsets, fragments)
     number = agglomerate_graph(graph, method, threshold_nearest=threshold_nearest,
-                               threshold_long=threshold_long,
-                               agglomerate_threshold=agglomerate_threshold,
-                               min_voxels=min_voxels)
+                               threshold_long=threshold_long, min_voxels=min_voxels)
     out = np.zeros(named.shape, np.uint32)
     on = named > 0
     out[on] = number[np.searchsorted(graph.names, named[on])]
@@ -218,7 +213,6 @@ def absorb_small(ids: np.ndarray, affinities: np.ndarray, offsets, min_voxels: i
 def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=None,
                        min_object_nm3: float = 0.0, threshold_nearest: float = 0.5,
                        threshold_long: float = 0.5, long_stride: int = 1,
-                       agglomerate_threshold: float = 0.5,
                        fragments=None) -> tuple[np.ndarray, int]:
     """Instance ids (int32, 1..n) and their count cut from predicted ``affinities`` (C,
     *spatial) along ``offsets`` by ``method`` (:data:`AFFINITY_CUTS`); 0 outside ``inside``
@@ -232,7 +226,6 @@ def affinity_instances(affinities, offsets, method: str, voxel_size, *, inside=N
     elif method in AFFINITY_CUTS:
         ids = graph_instances(affinities, offsets, method, min_voxels=min_voxels,
                               threshold_nearest=threshold_nearest, threshold_long=threshold_long,
-                              agglomerate_threshold=agglomerate_threshold,
                               fragments=fragments)
     else:
         raise ValueError(f"affinity cut {method!r}: must be one of {', '.join(AFFINITY_CUTS)}")

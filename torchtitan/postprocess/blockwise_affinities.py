@@ -5,7 +5,7 @@ memory. Here the same methods run on a region too large for that, in the steps t
 blockwise pipelines use (lsd, volara), spread over the ranks:
 
 1. **Fragments** (per block): each block is read with a halo and cut by the method's first
-   stage: for the graph cuts (``agglomerate``, ``mutex_graph``) the watershed basins of the
+   stage: for the graph cut (``mutex_graph``) the watershed basins of the
    face-neighbour affinities, with a halo of at least :data:`BASIN_HALO` voxels; for
    ``mutex`` the block's own mutex watershed, with a halo of :data:`MUTEX_HALO` voxels. The
    block's own part is kept, numbered block-unique (block ``k`` owns ids ``k * capacity + 1
@@ -20,12 +20,12 @@ blockwise pipelines use (lsd, volara), spread over the ranks:
    become one fragment, named by its first voxel, the graph is kept (``graph.npz`` in the
    step's tables: names, sizes, ``near_*`` and ``far_*`` edge tables) and goes through
    :func:`torchtitan.postprocess.region_graph.agglomerate_graph`, the function the whole-volume
-   graph cuts call. For ``mutex`` the stitched objects are the objects (only small ones are
+   graph cut calls. For ``mutex`` the stitched objects are the objects (only small ones are
    absorbed); with :data:`MUTEX_JOIN` ``graph`` they are joined instead by the graph's mutex
    watershed, two fragments of one block kept apart.
 4. **Relabelling** (per block): fragment ids through the table, 0 outside the class's mask.
 
-**Which cuts match the whole volume.** The graph cuts agree with the whole-volume run wherever
+**Which cuts match the whole volume.** The graph cut agrees with the whole-volume run wherever
 the stitched basins agree with the whole volume's basins: the graph is then the same bit for
 bit (:mod:`torchtitan.postprocess.region_graph`), and so are the objects. A watershed basin
 depends on the affinities near it only: with :data:`BASIN_HALO` voxels of context, blocks of
@@ -37,7 +37,7 @@ well against the truth), but 74-85 % of a 250^3 cube's, fewer the more blocks a 
 the neurons' interiors are joined by affinities above 0.95 across more than any halo, so no
 block holds a part of the cut that its own edges decide (BENCHMARKS.md, "How far the mutex
 watershed's decisions reach"). Choose ``mutex_graph`` where blockwise ids must be the whole
-volume's. The price of the graph cuts is step 3's memory: basins are small (about nine voxels
+volume's. The price of the graph cut is step 3's memory: basins are small (about nine voxels
 on the medulla model, three graph edges per voxel), so the graph that one process
 agglomerates grows with the region, where the pixel cut's memory is set by the block. Every
 step writes its own output and is repeated whole when run again, so a killed run is simply run
@@ -137,7 +137,7 @@ def _stitches(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
 
 def _fragment_blocks(read_affinities: AffinityReader, offsets, blocks: Blocks,
                      pp: PostProcessing, ranks: Ranks, scratch, faces) -> None:
-    """Step 1: each block's fragments into ``scratch``, and (graph cuts) its view of the
+    """Step 1: each block's fragments into ``scratch``, and (graph cut) its view of the
     first plane of each later neighbour into ``faces``."""
     ndim, shape = len(blocks.shape), blocks.shape
     halo = [max(abs(o[a]) for o in offsets) for a in range(ndim)]
@@ -223,7 +223,6 @@ def _agglomerate_blocks(blocks: Blocks, voxel_size, pp: PostProcessing, tables) 
     number = agglomerate_graph(
         graph, method,
         threshold_nearest=pp.mutex_threshold_nearest, threshold_long=pp.mutex_threshold_long,
-        agglomerate_threshold=pp.agglomerate_threshold,
         min_voxels=min_object_voxels(pp.min_object_nm3, voxel_size), apart=apart)
     np.savez(tables / "lookup.npz", fragments=ids.astype(np.uint64), final=number[inverse])
 

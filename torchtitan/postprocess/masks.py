@@ -87,7 +87,6 @@ class PostProcessing:
     mutex_threshold_nearest: float = 0.5
     mutex_threshold_long: float = 0.5
     mutex_long_stride: int = 1
-    agglomerate_threshold: float = 0.5
 
     def __post_init__(self):
         if not np.isfinite(self.min_object_nm3) or self.min_object_nm3 < 0:
@@ -129,8 +128,7 @@ class PostProcessing:
                    affinity_cut=inference.affinity_cut,
                    mutex_threshold_nearest=inference.mutex_threshold_nearest,
                    mutex_threshold_long=inference.mutex_threshold_long,
-                   mutex_long_stride=inference.mutex_long_stride,
-                   agglomerate_threshold=inference.agglomerate_threshold)
+                   mutex_long_stride=inference.mutex_long_stride)
 
     @property
     def enabled(self) -> bool:
@@ -149,8 +147,7 @@ class PostProcessing:
         return affinity_instances(
             affinities, offsets, self.affinity_cut, voxel_size, inside=inside,
             min_object_nm3=self.min_object_nm3, threshold_nearest=self.mutex_threshold_nearest,
-            threshold_long=self.mutex_threshold_long, long_stride=self.mutex_long_stride,
-            agglomerate_threshold=self.agglomerate_threshold)
+            threshold_long=self.mutex_threshold_long, long_stride=self.mutex_long_stride)
 
     def membrane(self, name: str, classes) -> str | None:
         """The class whose predicted boundaries cut ``name`` into objects, when

@@ -1,16 +1,15 @@
 """The region graph of fragments and its agglomeration: one computation for a whole volume and
 for a region cut into blocks.
 
-The graph cuts of :mod:`torchtitan.postprocess.affinities` (``agglomerate`` and
-``mutex_graph``) turn fragments (watershed basins of the affinities) into objects in two steps
+The graph cut of :mod:`torchtitan.postprocess.affinities` (``mutex_graph``) turns fragments (watershed basins of the affinities) into objects in two steps
 that see only a graph:
 
 1. **the region graph**: for every offset, each pair of fragments with voxels joined by that
    offset gets the sum and the count of the predicted affinities of those voxel pairs (face
    neighbours and long range kept apart), and each fragment its voxel count;
-2. **an agglomeration** of the graph: the mean-affinity agglomeration (Funke et al. 2018, the
-   rule of waterz) or the graph's mutex watershed (Wolf et al. 2018, ``mwatershed``), then
-   objects under the size floor absorbed by their best-joined neighbour.
+2. **an agglomeration** of the graph: the graph's mutex watershed (Wolf et al. 2018,
+   ``mwatershed``), then objects under the size floor absorbed by their best-joined
+   neighbour.
 
 The graph is made independent of how the volume is cut into blocks, bit for bit, so that a
 blockwise run whose fragments agree with the whole volume's gives the same objects:
@@ -26,7 +25,6 @@ Floor 3: numpy and mwatershed.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -164,45 +162,6 @@ def _edges(table) -> list[tuple[int, int, int, int]]:
     return list(zip(*(a.tolist() for a in table)))
 
 
-def mean_affinity_agglomeration(nodes, edges, threshold: float) -> dict[int, int]:
-    """Hierarchical agglomeration: repeatedly merge the two regions with the highest mean
-    affinity over their contact (summed over the merged regions' edges) while it is above
-    ``threshold``. ``edges``: (u, v, sum, count) tuples, the sums in any unit of which
-    ``threshold`` is given (here ``1 / QUANTUM``). Returns {node: root}."""
-    adjacency: dict[int, dict[int, list]] = {int(n): {} for n in nodes}
-    heap = []
-    for u, v, s, c in edges:
-        adjacency.setdefault(u, {})[v] = [s, c]
-        adjacency.setdefault(v, {})[u] = adjacency[u][v]
-        if c and s / c > threshold:
-            heap.append((-s / c, u, v))
-    heapq.heapify(heap)
-    parent, find = _union_find()
-    while heap:
-        score, u, v = heapq.heappop(heap)
-        if find(u) != u or find(v) != v or v not in adjacency[u]:
-            continue  # stale: one side was merged since
-        s, c = adjacency[u][v]
-        if -score != s / c:
-            continue  # stale: this edge's mean changed since
-        if len(adjacency[u]) < len(adjacency[v]):
-            u, v = v, u
-        parent[v] = u  # v joins u: u takes v's edges
-        del adjacency[u][v]
-        for n, (s2, c2) in adjacency.pop(v).items():
-            if n == u:
-                continue
-            del adjacency[n][v]
-            e = adjacency[u].setdefault(n, [0, 0])
-            e[0] += s2
-            e[1] += c2
-            adjacency[n][u] = e
-            if e[0] / e[1] > threshold:
-                a, b = (u, n) if u < n else (n, u)
-                heapq.heappush(heap, (-e[0] / e[1], a, b))
-    return {int(n): find(int(n)) for n in nodes}
-
-
 def mutex_graph(graph: RegionGraph, threshold_nearest: float, threshold_long: float,
                 apart: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
                 ) -> dict[int, int]:
@@ -276,18 +235,13 @@ def absorb_small(root: dict[int, int], graph: RegionGraph, min_voxels: int) -> d
 
 
 def agglomerate_graph(graph: RegionGraph, method: str, *, threshold_nearest: float,
-                      threshold_long: float, agglomerate_threshold: float, min_voxels: int,
-                      apart=None) -> np.ndarray:
+                      threshold_long: float, min_voxels: int, apart=None) -> np.ndarray:
     """Object ids (uint32, 1..n, numbered in the order of their first fragment's name: the
-    raster order of their first voxel) of ``graph.names`` by ``method``: ``agglomerate``
-    (mean face-neighbour affinity above ``agglomerate_threshold``), a mutex watershed
+    raster order of their first voxel) of ``graph.names`` by ``method``: a mutex watershed
     (``mutex`` / ``mutex_graph``, ``apart``: :func:`mutex_graph`) or ``keep`` (each fragment
     an object); then small objects absorbed."""
     if method == "keep":
         root = {int(n): int(n) for n in graph.names.tolist()}
-    elif method == "agglomerate":
-        root = mean_affinity_agglomeration(graph.names.tolist(), _edges(graph.near),
-                                           agglomerate_threshold * QUANTUM)
     else:
         root = mutex_graph(graph, threshold_nearest, threshold_long, apart)
     root = absorb_small(root, graph, min_voxels)

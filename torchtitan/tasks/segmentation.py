@@ -23,7 +23,7 @@ from torchtitan.models import (
     training_flops_per_sample,
 )
 from torchtitan.models.context import context_shard, local_part
-from torchtitan.models.losses import Loss, complement_channels
+from torchtitan.models.losses import Loss
 from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.tasks.base import SegmentationVisuals, ValidationContext
 from torchtitan.tasks.common import TaskBase, check_backbone
@@ -131,8 +131,6 @@ class SegmentationTask(TaskBase):
                                        device=logits.device)
             self._loss = build_loss(m.loss, weights, compiled=self.cfg.training.compile)
         target, valid = local_part(shard, batch.target), local_part(shard, batch.valid)
-        if self.cfg.affinities.dice_on == "cuts" and len(self.affinities):
-            logits, target = complement_channels(logits, target, len(self.cfg.data.classes))
         return self._loss.resized(logits, target.shape[2:], target, valid)
 
     # -- validation -----------------------------------------------------------------------------
