@@ -217,11 +217,55 @@ class RopePositionEmbedding(nn.Module):
         return torch.sin(angles), torch.cos(angles)
 
     def forward(self, grid_size: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """(sin, cos), each (N, head_dim), for the patches of a grid, N = prod(grid_size)."""
+        """(sin, cos), each (N, head_dim), for the patches of a grid, N = prod(grid_size).
+
+        Without train-time augmentation the tables depend only on the grid and ``periods``:
+        they are built once and reused (:meth:`_cached`); every step of a run has the same
+        grid, and the tables of a ViT-L at 256^3 / 16 are 4096 rows of sin, cos and angles.
+        """
+        augmented = self.training and any(
+            a is not None for a in (self.shift_coords, self.jitter_coords, self.rescale_coords))
+        if augmented or not self._cacheable():
+            return self._tables(grid_size, augmented)
+        return self._cached(tuple(int(n) for n in grid_size))
+
+    def _tables(self, grid_size: Sequence[int], augmented: bool) -> tuple[Tensor, Tensor]:
         coords = self.grid_coords(grid_size)
-        if self.training:
+        if augmented:
             coords = self.augment_coords(coords)
         return self.sincos_from_coords(coords)
+
+    # Tables kept per grid (at most this many grids: validation windows and crops of a few
+    # sizes; a caller with ever-new grids cannot grow it without bound).
+    _CACHE_SIZE = 8
+
+    def _cacheable(self) -> bool:
+        """Whether tables may be reused here: not while tracing or compiling (a traced graph
+        must compute them, not close over a dict of tensors), not on the meta device."""
+        return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                    or self.periods.is_meta)
+
+    def _cached(self, grid: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """The tables of ``grid``, computed on the first call. Keyed by the grid, the device
+        and the state of ``periods`` (its storage and version counter: a load_state_dict or
+        reset_parameters copies into it, which bumps the version), and whether inference mode
+        is on (tables made under it cannot be saved for a backward pass outside it). Kept in a
+        plain dict attribute, not a buffer: nothing enters the state dict, and
+        :meth:`_apply` (``.to()``, ``.cuda()``, ``to_empty()``) empties it."""
+        p = self.periods
+        key = (grid, p.device, p.data_ptr(), p._version, torch.is_inference_mode_enabled())
+        cache = self.__dict__.setdefault("_tables_cache", {})
+        tables = cache.get(key)
+        if tables is None:
+            if len(cache) >= self._CACHE_SIZE:
+                cache.clear()
+            with torch.no_grad():  # constants: no graph to the periods
+                tables = cache[key] = self._tables(grid, augmented=False)
+        return tables
+
+    def _apply(self, fn, recurse: bool = True):
+        self.__dict__.pop("_tables_cache", None)
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (

@@ -23,6 +23,7 @@ the matching per-sample RoPE tables.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -52,15 +53,42 @@ FFN_LAYERS: dict[str, int | None] = {
 
 
 # ----------------------------------------------------------------------------- layers
-class PatchEmbed(nn.Module):
-    """Non-overlapping patches -> tokens, with a strided convolution (2D or 3D)."""
+def unfold_patches(x: Tensor, patch_size: int) -> Tensor:
+    """(B, C, *spatial) -> (B, N, C * p^ndim): one row per patch, patches in C order over the
+    grid, each row's values in the order of a convolution weight's (C, p, p[, p]) flattened,
+    so that ``F.linear(rows, weight.flatten(1), bias)`` is the strided convolution's output."""
+    B, C, *spatial = x.shape
+    p = patch_size
+    grid = [s // p for s in spatial]
+    split = [n for g in grid for n in (g, p)]  # (g0, p, g1, p, ...)
+    x = x.reshape(B, C, *split)
+    nd = len(grid)
+    order = [0, *(2 + 2 * i for i in range(nd)), 1, *(3 + 2 * i for i in range(nd))]
+    return x.permute(order).reshape(B, math.prod(grid), C * p**nd)
 
-    def __init__(self, ndim: int, patch_size: int, in_chans: int, embed_dim: int):
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens (2D or 3D): a strided convolution, or the same
+    product as one GEMM on the unfolded patches.
+
+    The parameters are always those of the ``Conv2d``/``Conv3d`` ``proj`` (Meta's names and
+    shapes, ``(D, C, p, p[, p])``). ``gemm`` chooses how they are applied: True reshapes the
+    input into (B, N, C * p^ndim) patch rows and multiplies them by the flattened weight;
+    False runs the convolution; None (the default) takes the GEMM for CUDA inputs and the
+    convolution elsewhere. The two agree to float rounding (the sums run in another order),
+    so on a CPU the convolution stays, and with it the bits of every CPU result; on a GPU the
+    GEMM avoids cuDNN's strided 3D convolution kernels, whose weight gradient for a
+    one-channel 16^3 kernel is far from a GEMM's rate (bench/device_check.py, "micro").
+    """
+
+    def __init__(self, ndim: int, patch_size: int, in_chans: int, embed_dim: int,
+                 gemm: bool | None = None):
         super().__init__()
         conv = {2: nn.Conv2d, 3: nn.Conv3d}[ndim]
         self.ndim = ndim
         self.patch_size = patch_size
         self.in_chans = in_chans
+        self.gemm = gemm
         self.proj = conv(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
@@ -75,6 +103,10 @@ class PatchEmbed(nn.Module):
             raise ValueError(
                 f"Spatial size {spatial} is not a multiple of the patch size {self.patch_size}"
             )
+        if self.gemm if self.gemm is not None else x.is_cuda:
+            grid = tuple(s // self.patch_size for s in spatial)
+            return F.linear(unfold_patches(x, self.patch_size), self.proj.weight.flatten(1),
+                            self.proj.bias), grid
         x = self.proj(x)  # (B, D, *grid)
         grid = tuple(x.shape[2:])
         return x.flatten(2).transpose(1, 2), grid
