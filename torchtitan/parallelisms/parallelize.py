@@ -258,6 +258,16 @@ def autocast_context(dims: ParallelDims, cfg, device_type: str):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
+def _foreach(tensors: list[torch.Tensor]) -> bool:
+    """Whether to take the multi-tensor (foreach) kernels: one launch per group of tensors
+    instead of one or two per tensor (hundreds per step on a GPU), wherever torch has them
+    for the device, DTensors included. On a CPU the foreach ops run tensor by tensor, with
+    the same kernels and therefore the same bits as the plain loop."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    return bool(tensors) and _device_has_foreach_support(tensors[0].device)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Clip the gradients to a total L2 norm of ``max_norm`` (``inf``: measure only) and return
@@ -270,16 +280,19 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     tensors counted once) and the parts are combined.
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
     by_mesh: dict = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for p in params:
+        mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(mesh, []).append(p)
     parts = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, foreach=False)
+        grads = [p.grad for p in group]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=_foreach(grads))
         parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not parts:
         return torch.zeros(())
     total = torch.linalg.vector_norm(torch.stack(parts))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    for group in by_mesh.values():  # one mesh at a time: a multi-tensor op takes one mesh
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total,
+                                             foreach=_foreach([p.grad for p in group]))
     return total
