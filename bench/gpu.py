@@ -19,8 +19,8 @@ Sections (--sections, all by default):
              trainer does), without and with selective activation checkpointing (per op, as
              ``activation_checkpoint.mode = "selective"``, ``selective_ac_option = "op"``).
              Reports s/step, voxels/s, TFLOP/s (FLOPs of ``torchtitan/models/flops.py``), MFU
-             against --peak-tflops (H200 dense bf16: 989) and against a bf16 GEMM measured in
-             the same run, and peak memory.
+             against the card's data-sheet dense bf16 peak (PEAK_BF16_TFLOPS, or --peak-tflops)
+             and against a bf16 GEMM measured in the same run, and peak memory.
   loader     data-loader headroom: samples/s of the training loader (128^3 crops, every
              augmentation on, rotation/zoom resampled on the device as cluster runs do;
              bench/data_loader.py's store and config) over the model's samples/s (the best
@@ -141,6 +141,36 @@ def gemm_tflops(n: int, device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / best / 1e12
 
 
+# Dense bf16 tensor-core peaks from NVIDIA's data sheets (TFLOP/s, without sparsity), by a
+# part of the name torch.cuda.get_device_name gives; the first match counts ("H100 80GB HBM3"
+# is the SXM card).
+PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0),
+                    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0))
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The data-sheet dense bf16 peak of the card called ``device_name``; None if unknown."""
+    for part, peak in PEAK_BF16_TFLOPS:
+        if part in device_name:
+            return peak
+    return None
+
+
+def copy_gbps(n_bytes: int, device: torch.device) -> float:
+    """GB/s of a device-to-device copy of ``n_bytes`` (read + write, the best of 5)."""
+    a = torch.empty(n_bytes // 4, device=device, dtype=torch.float32).uniform_()
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
 def attention_status(backend: str, device: torch.device) -> str | None:
     """None when ``backend`` can run here, else what the row should say."""
     if backend == "sdpa":
@@ -150,22 +180,28 @@ def attention_status(backend: str, device: torch.device) -> str | None:
     return fa4_unavailable_reason(device)
 
 
-def build_model(kind: str, sizes: Sizes, attention: str, compile_: bool, ac: bool,
-                device: torch.device) -> torch.nn.Module:
+def build_model(kind: str, sizes: Sizes, attention: str, compile_: bool, ac: bool | str,
+                device: torch.device, backbone: str = "dinov3_vitl16",
+                mae: dict | None = None) -> torch.nn.Module:
+    """``kind`` "backbone", "seg*" or "mae" around ``backbone`` (3D, one channel, with
+    ``sizes.backbone_overrides``); ``mae``: the MaskedAutoencoder's decoder arguments. ``ac``:
+    True for selective per-op checkpointing, or an ``activation_checkpoint.mode``."""
     from torchtitan.parallelisms.parallelize import apply_ac, apply_compile
 
     torch.manual_seed(0)
-    backbone = build_backbone("dinov3_vitl16", ndim=3, in_chans=1, **sizes.backbone_overrides)
+    backbone = build_backbone(backbone, ndim=3, in_chans=1, **sizes.backbone_overrides)
     if kind == "backbone":
         model = backbone
     elif kind.startswith("seg"):
         model = SegmentationModel(backbone, NUM_CLASSES, head="linear")
     else:
-        model = MaskedAutoencoder(backbone)
+        model = MaskedAutoencoder(backbone, **(mae or {}))
     model.to(device)
     use_attention(model, attention)
-    if ac:
+    if ac is True:
         apply_ac(model, "selective", "op")
+    elif ac:
+        apply_ac(model, ac, "op")
     if compile_:
         apply_compile(model)
     return model
@@ -216,26 +252,48 @@ def train_rows(args, sizes: Sizes, device: torch.device, table: Table, deadline:
     return rates
 
 
-def profile_steps(step, device: torch.device, name: str, steps: int = 3, rows: int = 20) -> None:
-    """torch.profiler over ``steps`` more steps: the operators that take the most device
-    time (CPU time on a CPU), and how many kernels a step launches."""
+def profile_steps(step, device: torch.device, name: str, steps: int = 3, rows: int = 20,
+                  top: int = 5) -> dict:
+    """torch.profiler over ``steps`` more steps: prints the operators that take the most
+    device time (CPU time on a CPU); returns a summary: how busy the GPU was (the union of
+    its kernels' intervals over the wall time), kernels per step, and the ``top`` kernels by
+    time with their ms per step and share."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         sync(device)
+    wall_us = (time.perf_counter() - t0) * 1e6
     events = prof.key_averages()
     key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sum(e.count for e in on_device)
     print(f"\n### profile of {name}: {steps} steps, {kernels / steps:.0f} kernels per step\n"
           + events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in intervals:  # the union: overlapping kernels (several streams) count once
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    ranked = sorted(on_device, key=lambda e: e.device_time_total, reverse=True)[:top]
+    total = sum(e.device_time_total for e in on_device) or 1.0
+    return {"gpu_busy": f"{busy / wall_us:.0%}" if intervals else "n/a (no GPU)",
+            "kernels_per_step": round(kernels / steps),
+            "top_kernels": [{"name": e.key[:80], "ms_per_step": round(e.device_time_total
+                                                                     / steps / 1e3, 3),
+                             "share": f"{e.device_time_total / total:.0%}"} for e in ranked]}
 
 
 def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, peak_gemm,
-              peak_spec, profile: str | None = None) -> dict:
-    model = build_model(kind, sizes, attention, compile_, ac, device)
+              peak_spec, profile: str | None = None, model=None, profile_n: int = 3) -> dict:
+    """Time ``sizes.steps`` training steps of ``model`` (or of :func:`build_model`'s);
+    ``peak_spec`` None: MFU against the data sheet is not known."""
+    model = model or build_model(kind, sizes, attention, compile_, ac, device)
     model.train()
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
@@ -273,8 +331,7 @@ def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, 
         step()
         sync(device)
         times.append(time.perf_counter() - t0)
-    if profile:
-        profile_steps(step, device, profile)
+    summary = profile_steps(step, device, profile, steps=profile_n) if profile else None
     med = statistics.median(times)
     tflops = flops * batch / med / 1e12
     mem = (f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}" if device.type == "cuda"
@@ -282,9 +339,10 @@ def run_train(kind, crop, batch, ratio, attention, compile_, ac, sizes, device, 
     return {"s/step min / median / max": f"{min(times):.4f} / {med:.4f} / {max(times):.4f}",
             "Mvoxel/s": f"{batch * crop**3 / med / 1e6:.3g}",
             "TFLOP/s": f"{tflops:.2f}",
-            "MFU": f"{tflops / peak_spec:.1%}" if device.type == "cuda" else "n/a (CPU)",
+            "MFU": (f"{tflops / peak_spec:.1%}" if device.type == "cuda" and peak_spec
+                    else "n/a (CPU)" if device.type != "cuda" else "n/a (unknown card)"),
             "of bf16 GEMM": f"{tflops / peak_gemm:.1%}",
-            "peak GiB": mem, "_samples_per_s": batch / med}
+            "peak GiB": mem, "_samples_per_s": batch / med, "_profile": summary}
 
 
 def loader_rows(args, sizes: Sizes, model_rates: dict, table: Table, deadline: float) -> None:
@@ -459,8 +517,9 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {', '.join(SECTIONS)} (default all)")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="start no new row after this many seconds (default 330)")
-    p.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="the GPU's dense bf16 peak for MFU (default 989: H100/H200 SXM)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the GPU's dense bf16 peak for MFU (default: the data sheet's for the "
+                        "card, PEAK_BF16_TFLOPS: 989 for H100 SXM, H200, GH200)")
     p.add_argument("--loader-data", default="/tmp/bench_data_loader",
                    help="bench/data_loader.py's store (written there once, about a minute)")
     p.add_argument("--loader-workers", type=int, default=8)
@@ -484,6 +543,11 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("bench/gpu.py needs a CUDA GPU (or --dry-run to check it on a CPU)")
         device, sizes = torch.device("cuda"), FULL
+        if args.peak_tflops is None:
+            args.peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(device))
+            if args.peak_tflops is None:
+                print(f"unknown card {torch.cuda.get_device_name(device)!r}: no data-sheet "
+                      "peak, MFU not reported (give --peak-tflops)", flush=True)
     if args.steps:
         sizes = dataclasses.replace(sizes, steps=args.steps)
     start = time.perf_counter()

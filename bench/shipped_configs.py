@@ -29,6 +29,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -170,6 +171,31 @@ def command(path: Path, overrides: list[str], nproc: int) -> list[str]:
             "--nproc_per_node", str(nproc), str(REPO / entry_script(config)), *overrides]
 
 
+def config_data(path: Path, data: Path, neuron_root: Path, make: bool = True) -> Path:
+    """The dataset folder the config at ``path`` runs on: ``data`` (the demo data), or for a
+    config whose targets are object ids the :func:`neuron_data` under ``neuron_root`` (made
+    there first when ``make`` and it is missing)."""
+    if not needs_ids(tomllib.loads(path.read_text())):
+        return data
+    if make and not (neuron_root / "data").exists():
+        neuron_data(neuron_root)
+    return neuron_root / "data"
+
+
+def run_config(path: Path, data: Path, dump: Path, nproc: int, reduction: Reduction,
+               timeout: float, extra: Sequence[str] = ()) -> tuple[bool, float, str]:
+    """Run the config at ``path`` reduced (:func:`reduced_overrides`, then ``extra`` flags)
+    with torchrun; returns (passed, seconds, the last 3000 characters of its output)."""
+    cmd = command(path, [*reduced_overrides(path, data, dump, nproc, reduction), *extra], nproc)
+    t0 = time.perf_counter()
+    try:
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        ok, tail = result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        ok, tail = False, f"timed out after {timeout:.0f} s"
+    return ok, time.perf_counter() - t0, tail
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo",
@@ -213,24 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     start = time.perf_counter()
     for path in selected:
-        dump = args.out / path.stem
-        data = args.data
-        if needs_ids(tomllib.loads(path.read_text())):
-            data = args.neuron_data / "data"
-            if not data.exists() and not args.dry_run:
-                neuron_data(args.neuron_data)
-        cmd = command(path, reduced_overrides(path, data, dump, nproc, reduction), nproc)
+        data = config_data(path, args.data, args.neuron_data, make=not args.dry_run)
         if args.dry_run:
+            cmd = command(path, reduced_overrides(path, data, args.out / path.stem, nproc,
+                                                  reduction), nproc)
             print(f"DRY-RUN {path.name}: {' '.join(cmd)}", flush=True)
             continue
-        t0 = time.perf_counter()
-        try:
-            result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                                    timeout=args.timeout)
-            ok, tail = result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-        except subprocess.TimeoutExpired:
-            ok, tail = False, f"timed out after {args.timeout} s"
-        seconds = time.perf_counter() - t0
+        ok, seconds, tail = run_config(path, data, args.out / path.stem, nproc, reduction,
+                                       args.timeout)
         print(f"{'PASS' if ok else 'FAIL'} {path.name} ({seconds:.0f} s)", flush=True)
         if not ok:
             failed += 1
