@@ -31,15 +31,15 @@ voxels; N > 1: also every voxel within N-1 face steps of them); --unknown ids ar
 in any class.
 
 Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and, e.g.,
---data.val_crops crop2 (README: "Your own EM"). See torchtitan/data/imports/image_stack.py.
+--data.val_crops crop2 (README: "Your own EM"). See torchtitan/imports/image_stack.py.
 """
 
 import sys
 
 from torchtitan.scripts.cli import script_parser
-from torchtitan.data.imports.id_labels import IdLabels
-from torchtitan.data.imports.image_stack import INSTANCE_MODES, import_stack
-from torchtitan.data.imports.stack_labels import (
+from torchtitan.imports.id_labels import IdLabels
+from torchtitan.imports.image_stack import INSTANCE_MODES, import_stack
+from torchtitan.imports.stack_labels import (
     ImageStackError,
     ValueMap,
     Values,

@@ -26,9 +26,9 @@ from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops import layout, reader
 from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
-from torchtitan.data.imports.id_labels import boundary_mask
+from torchtitan.imports.id_labels import boundary_mask
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.data.imports.volume_files import HDF5Volume
+from torchtitan.imports.volume_files import HDF5Volume
 from torchtitan.data.volume_source import build_source
 from test_import_stack import imported, run
 

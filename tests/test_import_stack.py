@@ -26,7 +26,7 @@ from torchtitan.cellmap.ome_ngff import pyramid_steps, read_multiscales, stored_
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.crops import layout, reader
 from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
-from torchtitan.data.imports.image_stack import natural_key
+from torchtitan.imports.image_stack import natural_key
 from torchtitan.data.sampling.samples import build_segmentation_samples
 from torchtitan.data.crops.selection import DataSettings, load_em_sources, load_segmentation_data
 from torchtitan.data.io.stores import StoreContext

@@ -3,7 +3,7 @@
 Connectomics data usually comes as HDF5 (CREMI, neuroproof, ilastik exports): one file holding
 the EM and a volume of object ids as (z, y, x) datasets, often with a ``resolution`` attribute
 (z, y, x in nm, CREMI's convention). :class:`HDF5Volume` offers what
-:class:`~torchtitan.data.imports.image_stack.ImageStack` offers (``len`` sections, the ``shape`` of
+:class:`~torchtitan.imports.image_stack.ImageStack` offers (``len`` sections, the ``shape`` of
 one, ``dtype``, ``read``, ``read_range``, and ``name`` / ``where`` for messages), so the import
 writes EM and labels from either the same way; :func:`resolve_voxel_size` takes the voxel
 size from the attribute where no ``--voxel_size`` is given. It reads slabs of sections
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.data.imports.stack_labels import ImageStackError
+from torchtitan.imports.stack_labels import ImageStackError
 
 HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
 _SPEC = re.compile(r"(.+\.(?:h5|hdf5|hdf))(?::(.*))?", re.IGNORECASE)

@@ -29,7 +29,7 @@ other:
   instance class and may derive a boundary class from them (``id_labels``).
 * A stack without labels becomes EM only (for MAE pretraining and prediction).
 
-What label values mean (value maps) and the crops are :mod:`torchtitan.data.imports.stack_labels`.
+What label values mean (value maps) and the crops are :mod:`torchtitan.imports.stack_labels`.
 Everything is checked before anything is written; the store is written beside its final
 place and renamed into it at the end, so a failed import leaves no half-written dataset.
 """
@@ -55,15 +55,15 @@ from torchtitan.cellmap.ome_ngff import (
     write_pyramid,
 )
 from torchtitan.data.crops.layout import EM_GROUP, EM_GROUP_UINT16, GT_GROUP
-from torchtitan.data.imports.id_labels import IdLabels, check_id_options, check_id_volume, id_classes
-from torchtitan.data.imports.stack_labels import (
+from torchtitan.imports.id_labels import IdLabels, check_id_options, check_id_volume, id_classes
+from torchtitan.imports.stack_labels import (
     ImageStackError,
     ValueMap,
     check_crops,
     check_value_map,
     parse_crop,
 )
-from torchtitan.data.imports.volume_files import (
+from torchtitan.imports.volume_files import (
     HDF5Volume,
     open_hdf5,
     resolve_voxel_size,

@@ -28,8 +28,8 @@ import numpy as np
 
 from torchtitan.cellmap.classes import CLASS_IDS, INSTANCE_CLASSES, class_name_hint, is_instance_class
 from torchtitan.cellmap.labels import ABSENT, PRESENT, LabelEncoding
-from torchtitan.data.imports.stack_labels import ImageStackError, Values
-from torchtitan.data.imports.volume_files import slabs
+from torchtitan.imports.stack_labels import ImageStackError, Values
+from torchtitan.imports.volume_files import slabs
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What the label images of an image stack mean: value maps (which label values make up each
 class, which are background, which unknown) and crops (ranges of whole sections), as given on
 the command line of ``helpers/import_stack.py`` or in a value-map TOML, checked before
-:func:`torchtitan.data.imports.image_stack.import_stack` writes anything.
+:func:`torchtitan.imports.image_stack.import_stack` writes anything.
 """
 
 from __future__ import annotations
