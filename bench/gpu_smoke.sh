@@ -9,6 +9,9 @@
 #   bash bench/gpu_smoke.sh                 # on a GPU node (or inside an salloc)
 #   bash bench/gpu_smoke.sh --dry-run       # print the torchrun commands only (any machine)
 #   bash bench/gpu_smoke.sh --backbone shipped --timeout 300    # the configs' own backbones
+#
+# It sets up .venv from PyPI (helpers/setup_env.sh). On a node without a package registry use
+# `bash bench/device_check.sh OUT --sections configs` (the same runs, the node's own Python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source helpers/setup_env.sh

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ["env", "configs", "micro", "vit", "mae"]
 
 
+@pytest.mark.distributed  # its configs section starts torchrun (2 gloo processes)
 def test_device_check_dry_run_writes_every_row(tmp_path):
     out = tmp_path / "check"
     env = {**os.environ, "PYTHON": sys.executable}
