@@ -40,7 +40,7 @@ from torchtitan.postprocess.masks import PostProcessing, postprocess
 from torchtitan.scoring.metrics import combine_scores, validation_scores
 from torchtitan.tasks import SegmentationTask
 from torchtitan.tasks.segmentation import score_prediction
-from torchtitan.prediction.predictor import load_weights
+from torchtitan.prediction.runs import load_weights
 
 # (row label, score key, class or None)
 ROWS = (("VOI split", "voi_split", "cell"), ("VOI merge", "voi_merge", "cell"),

@@ -115,7 +115,7 @@ def test_bioimageio_core_test_passes_and_the_package_says_what_the_trainer_does(
     from bioimageio.spec import load_model_description
 
     from torchtitan.cellmap.affinities import config_outputs
-    from torchtitan.prediction.predictor import load_run_config
+    from torchtitan.prediction.runs import load_run_config
 
     dump, export = exports[name]
     summary = test_model(export / "bioimageio.zip")

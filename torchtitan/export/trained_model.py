@@ -19,16 +19,16 @@ import tomli_w
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from torchtitan.errors import optional_import
 from torchtitan.checkpoint.reading import STEP_RE, resolve_step_folder
 from torchtitan.config.parsing import config_to_dict
 from torchtitan.data.crops.layout import discover
 from torchtitan.data.crops.reader import (crop_grid, em_level, em_to_model_input, grid_shape,
                                           read_linear, set_em_ranges)
 from torchtitan.data.io.stores import StoreContext
-from torchtitan.errors import UserError
+from torchtitan.errors import UserError, optional_import
 from torchtitan.prediction import exported
 from torchtitan.prediction.exported import ExportError
+from torchtitan.prediction.runs import load_run_config, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,6 @@ def check_out(out: Path) -> None:
 
 def load_trained(checkpoint: str, config: str | None) -> tuple[object, torch.nn.Module, Path]:
     """(run config, network with the checkpoint's weights, the weights' path)."""
-    from torchtitan.prediction.predictor import load_run_config, load_weights
-
     path = Path(checkpoint)
     if not path.exists():
         raise ExportError(f"--checkpoint {path} does not exist; give a DCP step folder, a run's "
