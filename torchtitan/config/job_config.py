@@ -112,8 +112,9 @@ class Training:
         "the first step boundary past which another step would end beyond them (judged by the "
         "mean step so far), then saves and validates as at its last step and exits 0, "
         "finished. The LR schedule still spans training.steps (with decay_type = 'constant' "
-        "it does not matter where the run stops). For comparisons at equal wall-clock time "
-        "(bench/quality.py --budget); 0 = none.", min=0)
+        "it does not matter where the run stops). For a run sized by the time it may take "
+        "rather than by steps (a budget on a shared machine; models compared at equal "
+        "wall-clock time, as bench/quality.py --budget does); 0 = none.", min=0)
     ema_decay: float = opt(
         0.0, "Exponential moving average of the weights (EMA), updated after every optimizer "
         "step with this decay (warmed up as timm does: min(decay, (1 + n) / (10 + n)) after n "
