@@ -1,15 +1,15 @@
 """An exported bioimage.io package passes bioimage.io's own test in an environment of the
-README's pinned line alone: no torch, no torchtitan.
+docs/export.md's pinned line alone: no torch, no torchtitan.
 
-The README's "Sharing a model" section gives the ``pip install`` line of bioimage.io's tools
+docs/export.md gives the ``pip install`` line of bioimage.io's tools
 for those who test packages outside this project. Unpinned, that line took pydantic 2.14,
 under which bioimageio.spec 0.5.12 cannot validate any package this project exports
 (``package_file_descr_serializer: TypeError: 'index_key' is expected to be an integer or a
 string``); the project's own environment escaped it only because ome-zarr-models caps pydantic
 below 2.13. Here:
 
-* the line is read from the README: every requirement pinned exactly, and as in the ``test``
-  extra of pyproject.toml (what the project's own environment installs), pydantic included;
+* the line is read from docs/export.md: every requirement pinned exactly, and as in the lock
+  requirements.txt (what the project's own environment installs), pydantic included;
 * (slow) a venv made from nothing with exactly that line, in which neither torch nor
   torchtitan can be imported, runs ``bioimageio test --weight-format onnx`` on the package
   that ``helpers/export_model.py`` writes from a two-step run, and every check passes. The
@@ -39,7 +39,8 @@ import pytest
 
 from conftest import REPO, debug_run
 
-# The README's install line for bioimage.io's tools, in an inline code span.
+# docs/export.md's install line for bioimage.io's tools, in an inline code span.
+EXPORT_PAGE = "docs/export.md"
 README_LINE = re.compile(r"`(pip install [^`]*bioimageio\.core[^`]*)`")
 # What the line must install (distribution names, normalised).
 NEEDED = {"bioimageio-core", "bioimageio-spec", "pydantic", "onnx", "onnxruntime"}
@@ -60,8 +61,8 @@ def _name(requirement: str) -> str:
 
 
 def readme_requirements() -> list[str]:
-    """The requirements of the README's ``pip install bioimageio.core ...`` line, as written."""
-    lines = set(README_LINE.findall((REPO / "README.md").read_text()))
+    """The requirements of docs/export.md's ``pip install bioimageio.core ...`` line, as written."""
+    lines = set(README_LINE.findall((REPO / EXPORT_PAGE).read_text()))
     assert len(lines) == 1, f"expected one `pip install bioimageio.core ...` line: {lines}"
     argv = shlex.split(lines.pop())
     assert argv[:2] == ["pip", "install"] and all(not a.startswith("-") for a in argv[2:]), argv
@@ -118,7 +119,7 @@ def build_pinned_env(requirements: list[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def pinned_env():
-    """A future of the README line's venv (``build_pinned_env``), started at once in a thread
+    """A future of the export page line's venv (``build_pinned_env``), started at once in a thread
     so that pip installs while the run trains; teardown waits for it."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         yield pool.submit(build_pinned_env, readme_requirements())
@@ -127,7 +128,7 @@ def pinned_env():
 @pytest.fixture(scope="module")
 def exported_package(demo_data, tmp_path_factory) -> Path:
     """The bioimage.io package (``.zip``) of a two-step run of the 2D debug config, written by
-    ``helpers/export_model.py`` as the README runs it, with this project's interpreter."""
+    ``helpers/export_model.py`` as docs/export.md runs it, with this project's interpreter."""
     root = tmp_path_factory.mktemp("bioimageio_env")
     dump = root / "run"
     debug_run("train_segmentation.py", "train_configs/debug_segmentation_2d.toml", demo_data,
@@ -141,24 +142,25 @@ def exported_package(demo_data, tmp_path_factory) -> Path:
     return root / "exported" / "bioimageio.zip"
 
 
-def test_readme_line_pins_what_the_test_extra_pins():
-    """The README's line names bioimageio.core, bioimageio.spec, pydantic, onnx and onnxruntime,
-    each pinned exactly and to the version of pyproject.toml's ``test`` extra."""
+def test_readme_line_pins_what_the_lock_pins():
+    """The export page's line names bioimage.io's tools, pydantic, onnx and onnxruntime, each
+    pinned exactly and to the version of the lock, requirements.txt (the project's own
+    environment)."""
     requirements = readme_requirements()
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.]+", r) for r in requirements), \
         requirements
     assert NEEDED <= {_name(r) for r in requirements}, requirements
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extra = {_name(r): r for r in project["optional-dependencies"]["test"]}
+    lock = {_name(line): line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()
+            if re.match(r"[A-Za-z0-9]", line)}
     for r in requirements:
-        assert extra.get(_name(r)) == r, f"README pins {r}, the test extra {extra.get(_name(r))}"
+        assert lock.get(_name(r)) == r, f"{EXPORT_PAGE} pins {r}, the lock {lock.get(_name(r))}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # the venv: one to several minutes of pip on 2 cores
 def test_exported_package_passes_bioimageio_test_without_torch_or_the_project(
         pinned_env, exported_package, tmp_path):
-    """In the venv of the README's line alone (no torch, no torchtitan), ``bioimageio test
+    """In the venv of the export page's line alone (no torch, no torchtitan), ``bioimageio test
     --weight-format onnx`` on the exported package passes: the format validation and the ONNX
     weights reproducing the package's test output, at batch sizes 1 and 2."""
     try:

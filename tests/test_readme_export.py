@@ -1,11 +1,11 @@
-"""The README's "Sharing a model" commands run as written, on the demo model.
+"""The commands of docs/export.md's "Export the demo model" run as written, on the demo model.
 
-The test puts a trained demo run where the README expects the quickstart's
+The test puts a trained demo run where the page expects the quickstart's
 (``outputs/quickstart_segmentation_2d``: a copy of the ``seg2d_four_steps`` run, whose config
 names the session's demo data), then runs every command of the section's shell block in that
 folder, one after the other, exactly as written except that our scripts are found in the
 repository and ``python`` / ``bioimageio`` are the test environment's. Then it checks what
-the README promises: the package and hub folder, bioimage.io's test passing, and predictions
+the page promises: the package and hub folder, bioimage.io's test passing, and predictions
 from the export equal to the checkpoint's.
 """
 
@@ -25,11 +25,12 @@ from test_readme_own_em import runnable, section_commands
 pytest.importorskip("bioimageio.core")
 pytest.importorskip("onnxruntime")
 
-SECTION = "## Sharing a model"
+PAGE = "docs/export.md"
+SECTION = "## Export the demo model"
 
 
 def test_section_has_the_commands_it_promises():
-    argvs = [argv for _, argv in section_commands(SECTION)]
+    argvs = [argv for _, argv in section_commands(SECTION, page=PAGE)]
     assert any("helpers/export_model.py" in a and "--checkpoint" in a for a in argvs)
     assert any(a[:2] == ["bioimageio", "test"] for a in argvs)
     assert any("predict.py" in a and "--model" in a and "--weights" in a for a in argvs)
@@ -48,7 +49,7 @@ def test_sharing_a_model_commands_run_as_written(seg2d_four_steps, tmp_path):
     run = tmp_path / "outputs" / "quickstart_segmentation_2d"
     shutil.copytree(seg2d_four_steps, run)
     log = []
-    for written, argv in section_commands(SECTION):
+    for written, argv in section_commands(SECTION, page=PAGE):
         argv = runnable(argv)
         if argv[0] == "bioimageio":  # the command line tool of the test's environment
             argv[0] = str(Path(sys.executable).parent / "bioimageio")

@@ -1,17 +1,21 @@
-"""The README's "Your own EM" commands run as written, on a small stack of TIFF and PNG files.
+"""The 2D commands of docs/own_em.md run as written, on a small stack of TIFF and PNG files.
 
-The test writes a tiny serial-section stack where the README expects it (``my_stack/raw``:
+The test writes a tiny serial-section stack where the page expects it (``my_stack/raw``:
 20 sections of 8-bit TIFF; ``my_stack/labels``: one PNG per section with the label values the
-README names; ``my_stack/more``: unlabelled sections), then runs every command of the
+page names; ``my_stack/more``: unlabelled sections), then runs every command of the
 section's shell block in that folder, one after the other, exactly as written except that
 our scripts and configs are found in the repository and ``--training.steps`` is made tiny
-(the only size the README's commands set). Then it checks what the README promises: a
+(the only size the page's commands set). Then it checks what the page promises: a
 trained model, a prediction store of the held-out crop, its scores and a viewer link.
+
+``section_commands`` finds the commands of a page of the docs by its section heading; the
+other tests that run documented commands (3D own EM, prediction, export) use it too.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -25,16 +29,19 @@ from PIL import Image
 from conftest import REPO, _env
 from test_readme import fenced_blocks
 
-SECTION = "## Your own EM"
-# Sizes the README's commands set, and what the test runs instead.
+PAGE = "docs/own_em.md"
+SECTION = "## 2D: a stack of TIFF or PNG sections"
+# Sizes the page's commands set, and what the test runs instead.
 REDUCED = {"--training.steps": "2"}
 
 
-def section_commands(section: str = SECTION, every_block: bool = False
+def section_commands(section: str = SECTION, every_block: bool = False, page: str = PAGE
                      ) -> list[tuple[str, list[str]]]:
     """(as written, argv) of each command of the first shell block after the heading
-    ``section`` (of every one with ``every_block``, in order), up to the next section."""
-    text = (REPO / "README.md").read_text()
+    ``section`` of ``page`` (of every one with ``every_block``, in order), up to the next
+    ``## `` section."""
+    text = (REPO / page).read_text()
+    assert re.search(rf"^{re.escape(section)}$", text, re.M), f"{page} has no heading {section!r}"
     start = text.index(section)
     end = text.find("\n## ", start + len(section))
     blocks = [b[2] for b in fenced_blocks(text[start:end]) if b[0] == "bash"]

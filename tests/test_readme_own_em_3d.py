@@ -1,12 +1,12 @@
-"""The README's "Isotropic EM in 3D" commands run as written, on a small HDF5 volume.
+"""The 3D commands of docs/own_em.md run as written, on a small HDF5 volume.
 
-The test writes an HDF5 file where the README expects it (``my_volume.h5``, laid out like the
+The test writes an HDF5 file where the page expects it (``my_volume.h5``, laid out like the
 CREMI files: ``volumes/raw`` and ``volumes/labels/neuron_ids`` with a ``resolution``
 attribute) holding a 250-section volume of touching cells (a Voronoi tessellation: every
 voxel belongs to a cell, as in dense neuropil, with dark membranes where the ids change),
 then runs every command of the section's shell block in that folder, one after the other,
 exactly as written except that our scripts and configs are found in the repository and
-``--training.steps`` is made tiny. Then it checks what the README promises: the imported
+``--training.steps`` is made tiny. Then it checks what the page promises: the imported
 classes, a trained 3D model, a prediction of the held-out crop with neuron ids, its neuron
 scores and a viewer link.
 """
@@ -23,7 +23,7 @@ import pytest
 from conftest import _env, script_module
 from test_readme_own_em import runnable, section_commands
 
-SECTION = "### Isotropic EM in 3D"
+SECTION = "## 3D: neurons from an HDF5 volume"  # in docs/own_em.md
 shipped = script_module("bench/shipped_configs.py")
 
 

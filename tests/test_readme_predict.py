@@ -1,6 +1,6 @@
-"""The README's "Prediction, scoring and pictures" commands run in order, as written.
+"""The commands of docs/prediction.md's "Predict, score and view" run in order, as written.
 
-A trained demo run stands where the README expects the quickstart's
+A trained demo run stands where the page expects the quickstart's
 (``outputs/quickstart_segmentation_2d``: a copy of the ``seg2d_four_steps`` run, whose config
 names the session's demo data, copied to ``data/demo``). Every command of the section's
 shell blocks runs in that folder, one after the other, exactly as written except that our
@@ -22,11 +22,12 @@ import zarr
 from conftest import _env
 from test_readme_own_em import runnable, section_commands
 
-SECTION = "## Prediction, scoring and pictures"
+PAGE = "docs/prediction.md"
+SECTION = "## Predict, score and view"
 
 
 def test_section_has_the_commands_it_promises():
-    argvs = [argv for _, argv in section_commands(SECTION, every_block=True)]
+    argvs = [argv for _, argv in section_commands(SECTION, every_block=True, page=PAGE)]
     predicts = [a for a in argvs if "predict.py" in a]
     assert any("--shard" in a for a in predicts)
     # The store of the first command is written into again by a later one.
@@ -40,7 +41,7 @@ def test_prediction_commands_run_in_order_as_written(seg2d_four_steps, demo_data
     shutil.copytree(demo_data, tmp_path / "data" / "demo")  # inside the folder view_crop serves
     (tmp_path / "docs").mkdir()
     logs = []
-    for written, argv in section_commands(SECTION, every_block=True):
+    for written, argv in section_commands(SECTION, every_block=True, page=PAGE):
         t0 = time.perf_counter()
         r = subprocess.run(runnable(argv), cwd=tmp_path, env=_env(), capture_output=True,
                            text=True, timeout=600)
