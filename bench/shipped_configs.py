@@ -108,7 +108,7 @@ def write_neuron_h5(path: Path, shape=(64, 64, 64), cells: int = 40) -> None:
 
 def neuron_data(out: Path) -> Path:
     """A dataset folder made from :func:`write_neuron_h5` by ``helpers/import_stack.py`` as
-    the README imports connectomics ground truth (``cell`` with ids, ``pm`` their boundaries;
+    docs/own_em.md imports connectomics ground truth (``cell`` with ids, ``pm`` their boundaries;
     sections 0-47 ``crop1``, 48-63 ``crop2``, the own-EM configs' validation crop)."""
     out.mkdir(parents=True, exist_ok=True)
     h5 = out / "neurons.h5"

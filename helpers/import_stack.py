@@ -31,7 +31,7 @@ voxels; N > 1: also every voxel within N-1 face steps of them); --unknown ids ar
 in any class.
 
 Then train with --data.dataset_path <out> --data.voxel_size <the voxel size> and, e.g.,
---data.val_crops crop2 (README: "Your own EM"). See torchtitan/imports/image_stack.py.
+--data.val_crops crop2 (docs/own_em.md). See torchtitan/imports/image_stack.py.
 """
 
 import sys

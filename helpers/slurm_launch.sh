@@ -23,7 +23,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export PYTHONUNBUFFERED=1
 
-# Preemption and time limits (README: "Multi-node and SLURM"; RELIABILITY.md):
+# Preemption and time limits (docs/scaling.md, docs/reliability.md):
 # `#SBATCH --signal=B:USR1@300` sends SIGUSR1 to this batch shell 300 s before the end; the trap below forwards it to srun, which
 # passes it to every torchrun; torchrun (with SIGUSR1 in --signals_to_handle) passes it to its
 # workers and gives them --shutdown_timeout seconds before SIGKILL. The workers finish the
