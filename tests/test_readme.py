@@ -1,6 +1,8 @@
-"""The README's commands and paths stay true to the repository.
+"""The commands and paths of the README and the docs pages stay true to the repository.
 
-Every command of a shell code block (```bash, ```sh, ```console or an unlabelled fence;
+The pages checked are README.md and every docs/*.md but the generated configuration reference
+(docs/configuration.md) and the benchmark pages (docs/benchmarks/, whose commands are those of
+the benchmarks). Every command of a shell code block (```bash, ```sh, ```console or an unlabelled fence;
 backslash-continued lines joined) that runs one of our files is checked:
 
 * the files it names exist (entry scripts, helpers, ``train_configs/*.toml``, ...);
@@ -18,7 +20,9 @@ Placeholders (UPPERCASE words such as ``NODE_RANK``, ``<N>``, ``$VAR``, ``/path/
 accepted as values, never as the name of one of our files. Paths in inline code spans and
 relative links must exist in the repository too: users clone only the repository.
 
-Failures name the README line. ``--help`` runs once per script, all in parallel.
+Failures name the page and line. ``--help`` runs once per script, all in parallel. Every docs
+page opens with a command that does what it is about, and the README's sample of the demo's
+output has the shape of what the demo prints.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# The pages whose commands are checked: the README and the docs by task.
+NOT_CHECKED = {"configuration.md"}  # generated from the schema
+DOC_PAGES = sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in NOT_CHECKED)
+PAGES = [README, *DOC_PAGES]
 
 SHELL_FENCES = {"", "bash", "sh", "shell", "console", "zsh"}
 SEPARATORS = {"&&", "||", "|", ";", "&"}
@@ -60,12 +68,13 @@ def is_placeholder(token: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    line: int  # 1-based line of the README where the command starts
+    line: int  # 1-based line of the page where the command starts
     text: str  # the command as written (continuations joined)
     argv: tuple[str, ...]  # its words, separators removed, environment assignments dropped
+    page: str = "README.md"  # the page, relative to the repository
 
     def __str__(self) -> str:
-        return f"README.md line {self.line}: {self.text}"
+        return f"{self.page} line {self.line}: {self.text}"
 
 
 def fenced_blocks(text: str):
@@ -97,7 +106,7 @@ def _is_command(argv: list[str]) -> bool:
             or bool(re.fullmatch(r"(helpers|bench)/[\w.-]+\.(py|sh)", first)))
 
 
-def readme_commands(text: str) -> list[Command]:
+def readme_commands(text: str, page: str = "README.md") -> list[Command]:
     commands = []
     for lang, first_line, body in fenced_blocks(text):
         if lang not in SHELL_FENCES:
@@ -121,7 +130,7 @@ def readme_commands(text: str) -> list[Command]:
             try:
                 words = shlex.split(raw, comments=True)
             except ValueError:  # unbalanced quotes: report it as a command that cannot parse
-                commands.append(Command(line_no, raw, ("<unparsable>",)))
+                commands.append(Command(line_no, raw, ("<unparsable>",), page))
                 continue
             # One line may chain several commands: a && b; c | d.
             current: list[str] = []
@@ -130,14 +139,18 @@ def readme_commands(text: str) -> list[Command]:
                     while current and re.fullmatch(r"[A-Za-z_]\w*=.*", current[0]):
                         current.pop(0)  # FOO=bar cmd
                     if current and _is_command(current):
-                        commands.append(Command(line_no, raw, tuple(current)))
+                        commands.append(Command(line_no, raw, tuple(current), page))
                     current = []
                 else:
                     current.append(word)
     return commands
 
 
-COMMANDS = readme_commands(README.read_text())
+def _rel(page: Path) -> str:
+    return str(page.relative_to(REPO))
+
+
+COMMANDS = [c for page in PAGES for c in readme_commands(page.read_text(), _rel(page))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -432,15 +445,55 @@ def _toml_problems(path: str) -> list[str]:
 
 def test_readme_has_commands():
     """The extractor finds the README's commands (guards against it silently finding none)."""
-    assert len(COMMANDS) >= 8, [str(c) for c in COMMANDS]
-    heads = {c.argv[0] for c in COMMANDS}
-    assert {"torchrun", "python"} <= heads, heads
-    scripts = " ".join(" ".join(c.argv) for c in COMMANDS)
-    for name in ("train_mae.py", "train_segmentation.py", "predict.py", "train_configs/"):
+    readme = [c for c in COMMANDS if c.page == "README.md"]
+    assert len(readme) >= 8, [str(c) for c in readme]
+    heads = {c.argv[0] for c in readme}
+    assert {"torchrun", "python", "sbatch"} <= heads, heads
+    scripts = " ".join(" ".join(c.argv) for c in readme)
+    for name in ("train_segmentation.py", "predict.py", "train_configs/", "torchtitan.scoring",
+                 "helpers/import_stack.py", "helpers/export_model.py", "--data.dataset_path"):
         assert name in scripts, f"no README command runs {name}"
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[f"line{c.line}-{c.argv[0]}" for c in COMMANDS])
+def test_every_docs_page_opens_with_its_command():
+    """Each docs page says what it helps you do and gives the command that does it before its
+    first section."""
+    assert {p.name for p in DOC_PAGES} >= {
+        "installation.md", "quickstart.md", "cellmap_challenge.md", "own_em.md", "scaling.md",
+        "models.md", "prediction.md", "export.md", "checkpoints.md", "reliability.md",
+        "architecture.md"}
+    for page in DOC_PAGES:
+        text = page.read_text()
+        first_section = text.find("\n## ")
+        opening = text if first_section < 0 else text[:first_section]
+        assert readme_commands(opening, _rel(page)), f"{_rel(page)} opens without a command"
+
+
+def test_the_demo_output_shown_is_what_the_demo_prints(capsys):
+    """The README's sample of the demo's last lines (values shown as ``...``) matches what the
+    segmentation task prints for the quickstart config, and run_demo.sh's closing line."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.tasks.segmentation import SegmentationTask
+
+    text = README.read_text()
+    sample = next(body for lang, _, body in fenced_blocks(text)
+                  if lang in ("", "text") and any("segmentation finished" in line for line in body))
+    cfg = ConfigManager().parse_args(
+        ["--job.config_file", str(REPO / "train_configs/quickstart_segmentation_2d.toml")])
+    scores = {f"val/iou/{c}": 0.5 for c in cfg.data.classes}
+    scores |= {"val/mean_iou": 0.5, "val_post/mean_iou": 0.5}
+    SegmentationTask(cfg).summary(scores)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    demo_script = (REPO / "run_demo.sh").read_text()
+    printed.append(re.search(r'echo "(== demo finished in .*)"', demo_script).group(1))
+    assert len(sample) == len(printed), (sample, printed)
+    for shown, real in zip(sample, printed):
+        pattern = re.escape(shown).replace(re.escape("..."), ".+")
+        assert re.fullmatch(pattern, real), f"README shows {shown!r}, the demo prints {real!r}"
+
+
+@pytest.mark.parametrize("command", COMMANDS,
+                         ids=[f"{c.page}:{c.line}-{c.argv[0]}" for c in COMMANDS])
 def test_readme_command(command: Command, help_texts):
     plan = PLANS[command]
     problems = list(plan.problems)
@@ -476,8 +529,10 @@ def _repo_names() -> set[str]:
     return names
 
 
-def _prose_problems(text: str) -> list[str]:
+def _prose_problems(text: str, page: str = "README.md") -> list[str]:
+    """Problems of the paths in ``page``'s prose (links relative to the page's folder)."""
     problems = []
+    folder = (REPO / page).parent
     names = None
     in_fence = False
     for n, line in enumerate(text.splitlines(), 1):
@@ -490,31 +545,39 @@ def _prose_problems(text: str) -> list[str]:
         links = [t for t in re.findall(r"\]\(([^)\s]+)\)", line)
                  if not re.match(r"^[a-z]+:|^#", t)]
         for target in links:
-            if not (REPO / target.split("#")[0]).exists():
-                problems.append(f"README.md line {n}: link target {target!r} is not in the repository")
+            if not (folder / target.split("#")[0]).exists():
+                problems.append(f"{page} line {n}: link target {target!r} is not in the repository")
         for span in spans:
             for word in re.split(r"[\s,]+", span):
                 word = word.strip("()")
+                word, _, test = word.partition("::")  # tests/test_x.py::test_name[case]
                 top = word.split("/", 1)[0]
+                test_file = next((f for f in (REPO / word, REPO / "tests" / word) if f.is_file()),
+                                 None) if test and word.endswith(".py") else None
+                if test_file is not None:
+                    name = re.split(r"[\[:]", test)[0]
+                    if not re.search(rf"^\s*def {re.escape(name)}\(", test_file.read_text(), re.M):
+                        problems.append(f"{page} line {n}: {word} has no test {name!r}")
                 if top in ("shared", "..") or word.startswith("../"):
                     problems.append(
-                        f"README.md line {n}: {word!r} is outside the repository (users clone "
+                        f"{page} line {n}: {word!r} is outside the repository (users clone "
                         "only the repository)")
                 elif not word or re.search(r"[<>*$]", word):
                     continue  # a placeholder or a pattern
                 elif "/" in word and top in REPO_DIRS:
                     if not (REPO / word).exists():
-                        problems.append(f"README.md line {n}: {word!r} does not exist")
+                        problems.append(f"{page} line {n}: {word!r} does not exist")
                 elif re.fullmatch(r"[\w-]+\.(py|sh|md|txt|toml)", word) and word not in GENERATED_NAMES:
                     names = _repo_names() if names is None else names
                     if word not in names:
-                        problems.append(f"README.md line {n}: no file {word!r} in the repository")
+                        problems.append(f"{page} line {n}: no file {word!r} in the repository")
     return problems
 
 
-def test_readme_paths_exist():
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_readme_paths_exist(page):
     """Repository paths in inline code and relative links exist; none points outside."""
-    problems = _prose_problems(README.read_text())
+    problems = _prose_problems(page.read_text(), _rel(page))
     assert not problems, "\n".join(problems)
 
 
@@ -562,3 +625,12 @@ def test_extractor_on_a_sample():
     assert bad.problems and "does not exist" in bad.problems[0]
     assert _config_problems(["--training.stepz", "3"]) == [
         "'--training.stepz' is not a config option (did you mean --training.steps?)"]
+
+
+def test_prose_check_on_a_sample():
+    """Links resolve from the page's folder; test ids name a test that exists."""
+    sample = ("see [quickstart](quickstart.md), [gone](gone.md), `tests/test_run_lock.py::test_nope` "
+              "and `test_readme.py::test_placeholder_rule`")
+    assert _prose_problems(sample, "docs/page.md") == [
+        "docs/page.md line 1: link target 'gone.md' is not in the repository",
+        "docs/page.md line 1: tests/test_run_lock.py has no test 'test_nope'"]
