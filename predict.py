@@ -131,7 +131,7 @@ def bound_malloc_arenas(arenas: int = 2) -> None:
     """Let glibc's malloc keep at most ``arenas`` arenas. By default every thread that
     allocates may get an arena of its own (up to 8 per core), and memory freed in one is rarely
     given back: with zarr's decoding threads a long prediction's resident memory creeps up by
-    hundreds of MiB over what its blocks need (BENCHMARKS.md, "Prediction at any size").
+    hundreds of MiB over what its blocks need (docs/benchmarks/prediction_memory.md).
     Elsewhere than glibc, nothing to do."""
     import ctypes
     import ctypes.util

@@ -19,7 +19,7 @@ What is measured, per rank:
   memory at the middle length) among lengths of 1..``--max-rows`` rows of patches (forward
   only, to count the saved bytes).
 
-Prints a Markdown table (the one in BENCHMARKS.md).
+Prints a Markdown table (the one in docs/benchmarks/context_parallel.md).
 """
 
 from __future__ import annotations

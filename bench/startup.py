@@ -21,7 +21,7 @@ imported is checked), which records without changing the trainer:
 
 The end-of-run validation is skipped (it is not start-up, and takes minutes for a ViT-H+ on
 CPU). Memory is compared with a full float32 copy of the model and its AdamW state
-(3 x parameters x 4 bytes). The table is printed as Markdown (BENCHMARKS.md, "Start-up").
+(3 x parameters x 4 bytes). The table is printed as Markdown (docs/benchmarks/startup.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """bf16 on a CPU: the trainer warns where the CPU has no bf16 instructions (each step slower
-than in float32 there, BENCHMARKS.md), read from /proc/cpuinfo's flags."""
+than in float32 there, docs/benchmarks/quality_3d.md), read from /proc/cpuinfo's flags."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ Offset = tuple[int, ...]
 # Stored affinities (predict.py) are uint16: the probability times 65535. Bytes are too coarse
 # for the cuts, which order edges by their affinity: on the medulla validation crop the neurons
 # cut from affinities rounded to 1/255 score VOI 2.43 bits (mutex) and 2.53 (mutex_graph),
-# from 1/65535 1.80 and 1.93 (BENCHMARKS.md).
+# from 1/65535 1.80 and 1.93 (docs/benchmarks/findings.md).
 STORED_DTYPE = np.uint16
 
 

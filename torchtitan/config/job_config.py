@@ -511,8 +511,8 @@ class Inference:
         "are not used: boundary_instances or inference.instances cut the class). "
         "torchtitan/postprocess/affinities.py.", choices=AFFINITY_CUTS + ("boundary",),
         removed_choices={"agglomerate": "mean-affinity agglomeration cut neurons worse than "
-                         "the mutex cuts and 6-10x slower (BENCHMARKS.md); use 'mutex_graph' "
-                         "for a graph cut of watershed fragments"})
+                         "the mutex cuts and 6-10x slower (docs/benchmarks/neurons.md); use "
+                         "'mutex_graph' for a graph cut of watershed fragments"})
     mutex_threshold_nearest: float = opt(
         0.5, "affinity_cut = 'mutex' or 'mutex_graph': a face-neighbour edge joins its voxels "
         "(fragments: by their mean) where the predicted affinity is above this and keeps them apart below it (lower: fewer splits).",
@@ -555,7 +555,7 @@ class JobConfig:
         "optimizer.implementation": "the optimizer runs torch's fused kernel wherever it can "
         "(else the foreach ops); they compute the same update",
         "affinities.dice_on": "a Dice term of model.loss measures the joins (the voxel pairs "
-        "of one object); on the cuts it gave no better neurons (BENCHMARKS.md)",
+        "of one object); on the cuts it gave no better neurons (docs/benchmarks/neurons.md)",
         "inference.agglomerate_threshold": "the 'agglomerate' cut is gone (it cut neurons worse "
         "than the mutex cuts, 6-10x slower); inference.mutex_threshold_nearest and "
         "mutex_threshold_long set the mutex cuts",

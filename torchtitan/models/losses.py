@@ -205,7 +205,8 @@ class Loss:
         if self.compiled:
             # The sigmoid losses' element-wise passes (masks, softplus, sigmoid, products,
             # sums) fused into a loop or two per slab: a quarter to two fifths less of the
-            # loss's time on a CPU (BENCHMARKS.md), fewer kernels on a GPU. "ce" resizes whole and is left eager.
+            # loss's time on a CPU (docs/benchmarks/model_step.md), fewer kernels on a GPU.
+            # "ce" resizes whole and is left eager.
             self.statistics = torch.compile(self.statistics)
             self.derivatives = torch.compile(self.derivatives)
 

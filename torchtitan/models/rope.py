@@ -58,7 +58,7 @@ def rope_apply(x: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
     ``y_a = x_a cos_a - x_b sin_a`` and ``y_b = x_b cos_b + x_a sin_b``. Computed by
     :class:`_RopeRotation` in three passes over ``x`` forward and three backward (autograd of
     the textbook form takes five and seven): for q and k of a ViT-B block at batch 8 on a
-    CPU, 6.6 ms instead of 10.6 ms (BENCHMARKS.md, "Training step").
+    CPU, 6.6 ms instead of 10.6 ms (docs/benchmarks/model_step.md).
     """
     if sin.dim() == 3:  # per-sample positions: broadcast over heads
         sin, cos = sin.unsqueeze(1), cos.unsqueeze(1)

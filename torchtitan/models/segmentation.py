@@ -231,7 +231,7 @@ class UpConvHead(nn.Module):
         small pass almost no gradient back to it for the first hundred steps, and which
         direction they start in then decides the run (the loss after 150 steps on real EM
         ranged 0.90-0.98 over four seeds, against 0.77-0.88 with the default scale;
-        BENCHMARKS.md, ``bench/init_seeds.py``)."""
+        docs/benchmarks/findings.md)."""
         for module in self.modules():
             if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d,
                                    nn.GroupNorm)):

@@ -64,8 +64,7 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
 def warn_if_bf16_is_slow(param_dtype: str, device: torch.device,
                          cpuinfo: str | None = None) -> bool:
     """Warn (and return True) when a CPU run asks for bf16 on a CPU without bf16 instructions,
-    where each step is slower than in float32 (BENCHMARKS.md, "bf16 without bf16
-    instructions").
+    where each step is slower than in float32 (docs/benchmarks/quality_3d.md).
 
     ``cpuinfo`` is the text of ``/proc/cpuinfo`` to judge by; None reads this machine's. A CPU
     whose flags cannot be read (no flags line, not Linux) is not warned about: no guess.
@@ -77,7 +76,8 @@ def warn_if_bf16_is_slow(param_dtype: str, device: torch.device,
     logger.warning(
         "training.mixed_precision_param = 'bfloat16' on a CPU without bf16 instructions (none "
         "of %s in /proc/cpuinfo): bf16 is converted around every matmul here, and a step is "
-        "slower than in float32 (BENCHMARKS.md); set it to 'float32' on this machine",
+        "slower than in float32 (docs/benchmarks/quality_3d.md); set it to 'float32' on this "
+        "machine",
         "/".join(BF16_CPU_FLAGS))
     return True
 
@@ -206,9 +206,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
         logger.warning(
             "activation_checkpoint.selective_ac_option = 'op' without training.compile: every "
             "op of every block passes through a Python dispatch mode, which made a 3D ViT-L "
-            "step 3.3x slower than no checkpointing on an H200 (BENCHMARKS.md, GPU); compiled, "
-            "the same policy is free. Set training.compile = true, or checkpoint whole blocks "
-            "(mode = 'full', or selective_ac_option = an integer N)")
+            "step 3.3x slower than no checkpointing on an H200 (docs/benchmarks/gpu.md); "
+            "compiled, the same policy is free. Set training.compile = true, or checkpoint "
+            "whole blocks (mode = 'full', or selective_ac_option = an integer N)")
     if cfg.training.compile:
         apply_compile(model)
     if dims.fsdp_enabled:

@@ -13,7 +13,7 @@ cuts turn these into object ids, each with a library the field keeps:
   only face neighbours join and long-range edges only repel (a long-range weight above 0
   counts as 0, which joins nothing): every object is one face-connected piece, where a join
   across 9 voxels could make one id of pieces that do not touch (the challenge's instance
-  score counts each such piece as an object; BENCHMARKS.md, "Long-range edges repel only").
+  score counts each such piece as an object; docs/benchmarks/neurons.md).
   No seeds, no threshold on sizes: one pass over the edges.
 * ``mutex_graph``: the same mutex watershed on the region graph of watershed fragments
   (waterz's basins of the face-neighbour affinities) rather than on voxels: each edge between
@@ -30,7 +30,7 @@ get 0. Objects smaller than ``min_object_nm3`` are absorbed, as the boundary cut
 (:mod:`torchtitan.postprocess.neurons`) drops seeds of that size, by every cut alike and block
 by block the same: each joins the neighbour it shares the highest mean face-neighbour affinity
 with (on the medulla model 0.01-0.02 bits of VOI better than giving its voxels to the nearest
-large object; BENCHMARKS.md, "Long-range edges repel only").
+large object; docs/benchmarks/neurons.md).
 
 Floor 3: numpy, scipy, mwatershed and waterz; of ours the domain's affinity layout, the region
 graph and the evaluation's relabelling.

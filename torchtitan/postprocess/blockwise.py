@@ -30,7 +30,7 @@ on a region that fits in memory (``tests/test_blockwise.py``):
   without a seed and the parts too large for a box are flooded per block with a halo of
   ``halo_nm``, which equals the whole-region flood on regions of one block or within the halo
   and differs on a few percent of the voxels of real EM elsewhere (:func:`boundary_ids`;
-  BENCHMARKS.md, "Prediction at any size").
+  docs/benchmarks/prediction_memory.md).
 
 Scratch data lives in ``<region>/_work`` (zarr arrays of ids, one chunk per block, and small
 tables in ``_work/tables/``); the results go to ``<class>/_post`` and replace ``s0`` by renaming
@@ -219,8 +219,8 @@ def boundary_ids(inside: MaskReader, boundary: MaskReader, name: str, blocks: Bl
       a part without a seed, goes to may differ from the whole-region result.
 
     With a region of one block, or a halo as large as the region, the result is the
-    whole-region one; measured on real EM with shorter halos in BENCHMARKS.md ("Prediction at
-    any size").
+    whole-region one; measured on real EM with shorter halos in
+    docs/benchmarks/prediction_memory.md.
     """
     sampling = np.asarray(voxel_size, float)
     seed_halo = int(np.ceil(pp.boundary_seed_nm / sampling.min())) + 1

@@ -25,23 +25,21 @@ blockwise pipelines use (lsd, volara), spread over the ranks:
    watershed, two fragments of one block kept apart.
 4. **Relabelling** (per block): fragment ids through the table, 0 outside the class's mask.
 
-**Which cuts match the whole volume.** The graph cut agrees with the whole-volume run wherever
-the stitched basins agree with the whole volume's basins: the graph is then the same bit for
-bit (:mod:`torchtitan.postprocess.region_graph`), and so are the objects. A watershed basin
-depends on the affinities near it only: with :data:`BASIN_HALO` voxels of context, blocks of
-32^3 to 128^3 give the whole medulla validation crop's objects exactly (BENCHMARKS.md). The
-pixel ``mutex`` cut has no such locality: it takes the edges in one global order, so a
-decision near a block's face can hinge on edges far beyond any halo; with 48 voxels of context
-95-99.8 % of the medulla crop's voxels keep their whole-volume object (the neurons score as
-well against the truth), but 74-85 % of a 250^3 cube's, fewer the more blocks a region holds:
-the neurons' interiors are joined by affinities above 0.95 across more than any halo, so no
-block holds a part of the cut that its own edges decide (BENCHMARKS.md, "How far the mutex
-watershed's decisions reach"). Choose ``mutex_graph`` where blockwise ids must be the whole
-volume's. The price of the graph cut is step 3's memory: basins are small (about nine voxels
-on the medulla model, three graph edges per voxel), so the graph that one process
-agglomerates grows with the region, where the pixel cut's memory is set by the block. Every
-step writes its own output and is repeated whole when run again, so a killed run is simply run
-again.
+**Which cuts match the whole volume.** The graph cut agrees with the whole-volume run wherever the
+stitched basins agree with the whole volume's basins: the graph is then the same bit for bit
+(:mod:`torchtitan.postprocess.region_graph`), and so are the objects. A watershed basin depends on
+the affinities near it only: with :data:`BASIN_HALO` voxels of context, blocks of 32^3 to 128^3 give
+the whole medulla validation crop's objects exactly (docs/benchmarks/findings.md). The pixel
+``mutex`` cut has no such locality: it takes the edges in one global order, so a decision near a
+block's face can hinge on edges far beyond any halo; with 48 voxels of context 95-99.8 % of the
+medulla crop's voxels keep their whole-volume object (the neurons score as well against the truth),
+but 74-85 % of a 250^3 cube's, fewer the more blocks a region holds: the neurons' interiors are
+joined by affinities above 0.95 across more than any halo, so no block holds a part of the cut that
+its own edges decide (docs/benchmarks/findings.md). Choose ``mutex_graph`` where blockwise ids must
+be the whole volume's. The price of the graph cut is step 3's memory: basins are small (about nine
+voxels on the medulla model, three graph edges per voxel), so the graph that one process
+agglomerates grows with the region, where the pixel cut's memory is set by the block. Every step
+writes its own output and is repeated whole when run again, so a killed run is simply run again.
 
 Floor 3: numpy, scipy, zarr, mwatershed and waterz, beside :mod:`torchtitan.postprocess.blockwise`.
 """
@@ -67,8 +65,8 @@ MaskReader = Callable[[tuple, tuple], np.ndarray]
 
 # Voxels of context for a block's watershed basins, beyond which a basin is taken to be
 # decided. On the medulla validation crop's predicted affinities the stitched basins give the
-# whole crop's objects with the offsets' own reach (9 voxels) already (BENCHMARKS.md); 24 is a
-# margin for affinities with wider plateaus.
+# whole crop's objects with the offsets' own reach (9 voxels) already
+# (docs/benchmarks/findings.md); 24 is a margin for affinities with wider plateaus.
 BASIN_HALO = 24
 # The pixel ``mutex`` cut's blocks: their context (MUTEX_HALO voxels, at least the offsets'
 # reach) and how their objects are joined: ``overlap`` (stitched like basins, each stitched
@@ -76,8 +74,7 @@ BASIN_HALO = 24
 # objects of one block kept apart). On the medulla model ``overlap`` with 48 voxels cuts
 # neurons as good as the whole volume's (VOI 1.71 in blocks of 64^3, 1.80 whole) where
 # ``graph`` with the offsets' reach loses 0.3 bits, and keeps more voxels' whole-volume neuron
-# (79-99 % against 76-86 %), for 2-5x the memory of a block (BENCHMARKS.md, "The affinity
-# cut block by block").
+# (79-99 % against 76-86 %), for 2-5x the memory of a block (docs/benchmarks/findings.md).
 MUTEX_JOIN = "overlap"
 MUTEX_HALO = 48
 TABLES = ("near", "far")

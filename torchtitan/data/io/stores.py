@@ -423,7 +423,7 @@ class StoreContext:
     def open_array(self, path: str):
         """The zarr array at ``path`` for reading, reusing a handle this process opened
         recently. Local arrays of the usual layout are read by ``zarr_chunks``, which decodes
-        chunk files directly at the least CPU cost (BENCHMARKS.md, "Which reader"); the rest
+        chunk files directly at the least CPU cost (docs/benchmarks/data_loader.md); the rest
         (remote stores, sharding, checksums, N5, ...) by TensorStore, and by zarr-python a
         local array TensorStore cannot open."""
         self._own_handles()

@@ -6,7 +6,7 @@ them with the same numcodecs codecs (``bench/data_loader.py``). For the layout E
 CellMap labels use (regular chunks, no sharding, a compressor such as Blosc, Zstd or GZip, C
 or F order, any numeric dtype), :class:`ChunkedArray` does exactly that. :func:`open_fast`
 returns None for anything else (sharding, checksums, transposes, non-local stores, exotic
-dtypes), and the caller uses TensorStore (``stores.py``; BENCHMARKS.md, "Which reader").
+dtypes), and the caller uses TensorStore (``stores.py``; docs/benchmarks/data_loader.md).
 
 Semantics follow zarr: a chunk file that does not exist reads as the array's fill value; a
 chunk that exists but does not decode to the chunk's size raises, naming the file.
