@@ -209,6 +209,12 @@ SLOW_SUITE_CASES = (
     "test_shipped_configs.py::test_shipped_config_runs[debug_mae_3d]",
     "test_shipped_configs.py::test_shipped_config_runs[own_em_mae_2d]",
     "test_shipped_configs.py::test_shipped_config_runs[own_em_mae_3d]",
+    # docs/own_em.md's commands train it as shipped (test_readme_own_em.py); the prediction
+    # page's commands run two shards into one store (test_readme_predict.py), and CI's real
+    # kill is the whole training job's (test_reliability_loop.py).
+    "test_shipped_configs.py::test_shipped_config_runs[own_em_segmentation_2d]",
+    "test_predict_shards.py::test_a_killed_shard_run_again_gives_the_store_of_one_job",
+    "test_bench_quality.py::test_calibrate_only_times_each_model_and_trains_nothing",
 )
 
 

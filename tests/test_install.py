@@ -91,8 +91,11 @@ def test_requirements_pin_exactly_the_environment_the_tests_run_in():
              if line.strip() and not line.startswith("#")]
     assert "-e .[test]" in lines
     pins = dict(line.split("==") for line in lines if line != "-e .[test]")
+    # What pip installed into this environment's site-packages (not the copies another package
+    # vendors and makes importable, as setuptools does with its own once imported).
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     installed = {_name(d.metadata["Name"]): d.version.split("+")[0]
-                 for d in importlib.metadata.distributions()}
+                 for d in importlib.metadata.distributions(path=site)}
     installed = {n: v for n, v in installed.items()
                  if n not in ("torchtitan-em", "pip", "setuptools", "wheel")}
     locked = {_name(n): v for n, v in pins.items()}

@@ -277,8 +277,9 @@ class Data:
     train_label_fraction: float = opt(
         1.0, "Segmentation: the fraction of each training crop's sections (z planes of the "
         "training grid; at least one) whose labels are used, a slab in the middle of the crop; "
-        "the rest is unannotated (its EM is still read as context). For label-efficiency "
-        "studies; 1 = all labels.", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+        "the rest is unannotated (its EM is still read as context). To learn how many labels "
+        "your EM needs, and whether MAE pretraining pays for it, before annotating more "
+        "(docs/benchmarks/label_efficiency.md); 1 = all labels.", check=(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     foreground_threshold: float = opt(
         0.0,
         "MAE: redraw a sample's place (from its own generator, up to 16 times, keeping the "
