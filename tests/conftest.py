@@ -218,8 +218,21 @@ SLOW_SUITE_CASES = (
 )
 
 
+# The files whose tests take longest, longest first: they start first, so that with two test
+# processes (./run_tests.sh) neither is left with a long file while the other has finished.
+LONGEST_FILES = (
+    "test_export.py", "test_bad_inputs.py", "test_readme_predict.py", "test_readme_export.py",
+    "test_device_check.py", "test_reliability_loop.py", "test_readme_own_em.py",
+    "test_inference_extra.py", "test_submission.py", "test_predict_shards.py",
+    "test_readme_own_em_3d.py", "test_checkpointing.py", "test_parity.py", "test_training.py",
+    "test_resume_workers.py",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     slow = set(SLOW_SUITE_CASES)
     for item in items:
         if item.nodeid.split("tests/", 1)[-1] in slow:
             item.add_marker(pytest.mark.slow)
+    first = {name: rank for rank, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable otherwise
