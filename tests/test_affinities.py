@@ -19,7 +19,8 @@ import torch
 from test_import_h5 import write_h5
 from test_import_stack import imported
 from torchtitan.cellmap.affinities import (AffinitySpec, affinities, channel_name,
-                                           default_offsets, output_channels, split_outputs)
+                                           default_offsets, face_channels, output_channels,
+                                           split_outputs)
 from torchtitan.config.manager import ConfigManager
 from torchtitan.data.sampling.augment import apply_axis_map, host_axis_map
 from torchtitan.data.crops.layout import DatasetError
@@ -205,6 +206,12 @@ def test_a_class_stored_without_ids_is_refused(tmp_path, capsys):
     (["--inference.affinity_cut", "mutex_graph", "--affinities.offsets", "1:0:0,0:1:0"],
      r"lacks \['0:0:1'\]"),
     (["--affinities.dice_on", "cuts"], "'affinities.dice_on' on the command line is no longer"),
+    (["--affinities.boundary", "pm"], "'affinities.boundary' = 'pm' is not in 'data.classes'"),
+    (["--affinities.boundary", "cell"], "is a class of 'affinities.classes'"),
+    (["--data.classes", "pm,cell", "--affinities.boundary", "pm", "--affinities.offsets",
+      "1:0:0,0:1:0,0:0:4"], r"needs the face-neighbour affinities.*lacks \['0:0:1'\]"),
+    (["--data.classes", "pm,cell", "--affinities.boundary", "pm", "--model.head", "linear"],
+     "needs full-resolution logits"),
     (["--model.ndim", "2", "--model.crop_size", "32,32", "--data.voxel_size", "8,8,8",
       "--inference.planes", "zyx", "--affinities.offsets", "1:0,0:1"],
      "affinity channels .* differ between those planes"),
@@ -212,6 +219,62 @@ def test_a_class_stored_without_ids_is_refused(tmp_path, capsys):
 def test_bad_affinity_settings_name_the_option(flags, message):
     with pytest.raises(ConfigError, match=message):
         config("data/none", *flags)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_boundary_from_face_affinities_is_the_imported_boundary(ndim):
+    """``affinities.boundary``: where the affinities are the true ones (logits +-8 from the
+    targets of known ids), the derived boundary channel is exactly the boundary class that
+    ``import_stack.py --boundary`` stores for those ids; a trained model's pm loss reaches the
+    face-affinity channels."""
+    from torchtitan.imports.id_labels import boundary_mask
+    from torchtitan.models.segmentation import boundary_from_affinities
+
+    ids = three_objects() + 1  # every voxel in an object (no background pairs)
+    if ndim == 2:
+        ids = ids[2]
+    offsets = [tuple(int(a == axis) for a in range(ndim)) for axis in range(ndim)]
+    offsets.insert(1, (0,) * (ndim - 1) + (3,))  # a long-range offset between the faces
+    known = np.ones(ids.shape, bool)
+    target, _ = affinities(ids, known, offsets)
+    logits = torch.from_numpy(target).float()[None] * 16 - 8
+    spec = AffinitySpec(("cell",), tuple(offsets))
+    faces = face_channels(["pm", "cell"], spec, "cell")
+    assert faces == [(2, 0), *((4 + a, 1 + a) for a in range(ndim - 1))]
+    derived = boundary_from_affinities(torch.cat([torch.zeros_like(logits[:, :2]), logits], 1),
+                                       faces)
+    expected = boundary_mask(ids[None] if ndim == 2 else ids, known[None] if ndim == 2 else known)
+    assert torch.equal(derived[0, 0] > 0, torch.from_numpy(expected.reshape(ids.shape)))
+
+
+def test_a_model_with_the_boundary_from_affinities_trains_them_through_it():
+    from torchtitan.data.sampling.batch import Batch
+    from torchtitan.tasks.segmentation import SegmentationTask
+
+    cfg = config("data/none", "--data.classes", "pm,cell", "--affinities.boundary", "pm",
+                 "--affinities.offsets", "1:0:0,0:1:0,0:0:1,0:0:3", "--model.head", "multiscale")
+    task = SegmentationTask.__new__(SegmentationTask)  # no dataset: the model and loss only
+    task.cfg, task._loss = cfg, None
+    task.affinities = AffinitySpec.from_config(cfg)
+    task.channels = output_channels(cfg.data.classes, task.affinities)
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert model.head.classifier.out_channels == len(task.channels) - 1 == 5
+    x = torch.randn(1, 1, 16, 16, 16)
+    out = model(x)
+    assert out.shape == (1, 6, 16, 16, 16)
+    faces = out[:, [2, 3, 4]]
+    # The pm channel is minus the least face-affinity logit of each voxel's six neighbours.
+    inner = out[0, 0, 1:-1, 1:-1, 1:-1]
+    least = torch.stack([faces[0, 0, 1:-1, 1:-1, 1:-1], faces[0, 0, :-2, 1:-1, 1:-1],
+                         faces[0, 1, 1:-1, 1:-1, 1:-1], faces[0, 1, 1:-1, :-2, 1:-1],
+                         faces[0, 2, 1:-1, 1:-1, 1:-1], faces[0, 2, 1:-1, 1:-1, :-2]]).amin(0)
+    torch.testing.assert_close(inner, -least)
+    # A loss on pm alone moves the classifier rows of the face affinities, not the others.
+    model.zero_grad()
+    out[:, 0].sum().backward()
+    rows = model.head.classifier.weight.grad.flatten(1).abs().sum(1)
+    assert (rows[[1, 2, 3]] > 0).all() and (rows[[0, 4]] == 0).all()
 
 
 def test_offsets_without_classes_are_refused():

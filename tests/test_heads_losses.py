@@ -374,6 +374,35 @@ def test_task_builds_model_and_loss_from_config(loss):
     assert count == expected[1] and count > 0
 
 
+@pytest.mark.parametrize("loss_weight", [0.0, 1.0, 6.0])
+def test_affinity_loss_weight_is_shared_by_a_class_offsets(loss_weight):
+    """``affinities.loss_weight``: all of a class's affinity channels together weigh that
+    much, each offset its share (0: each channel 1, as many classes' worth as offsets)."""
+    cfg = JobConfig()
+    cfg.data.classes = ["pm", "cell"]
+    cfg.affinities.classes = ["cell"]
+    cfg.affinities.offsets = ["0:1", "1:0", "0:4"]
+    cfg.affinities.loss_weight = loss_weight
+    m = cfg.model
+    m.backbone, m.ndim, m.patch_size, m.crop_size, m.loss = "vit_debug", 2, 8, [16, 16], "bce_dice"
+    task = SegmentationTask(cfg)
+    torch.manual_seed(0)
+    model = task.build_model()
+    g = torch.Generator().manual_seed(0)
+    target = (torch.rand(2, 5, 16, 16, generator=g) > 0.5).to(torch.uint8)
+    valid = torch.ones(2, 5, 16, 16, dtype=torch.uint8)
+    batch = Batch(image=torch.randn(2, 1, 16, 16, generator=g), target=target, valid=valid,
+                  index=torch.arange(2), resampled=torch.zeros(2, dtype=torch.int64))
+    total, count = task.loss_terms(model, batch)
+    each = loss_weight / 3 if loss_weight else 1.0
+    weights = torch.tensor([1.0, 1.0, each, each, each])
+    expected = build_loss("bce_dice", weights)(model(batch.image).float(), target, valid)
+    torch.testing.assert_close(total, expected[0])
+    if loss_weight == 6.0:  # the affinities pull twice as hard as with 1 per channel
+        plain = build_loss("bce_dice")(model(batch.image).float(), target, valid)
+        assert total > plain[0]
+
+
 def test_task_compiles_its_loss_with_the_model():
     """``training.compile = true`` compiles the loss the task takes (once per run), with the
     same sum and count as the eager one."""

@@ -138,6 +138,17 @@ def channel_offsets(classes: Sequence[str], spec: AffinitySpec) -> tuple:
     return (None,) * len(classes) + tuple(o for _ in spec.classes for o in spec.offsets)
 
 
+def face_channels(classes: Sequence[str], spec: AffinitySpec, cls: str) -> list[tuple[int, int]]:
+    """(output channel, axis) of each face-neighbour affinity of ``cls`` (offset 1 along one
+    axis) in the layout of :func:`output_channels`."""
+    first = spec.channels_of(cls, len(classes)).start
+    out = []
+    for i, offset in enumerate(spec.offsets):
+        if sorted(offset) == [0] * (len(offset) - 1) + [1]:
+            out.append((first + i, offset.index(1)))
+    return out
+
+
 def config_outputs(cfg) -> list[str]:
     """The output channels of the segmentation model of a JobConfig."""
     return output_channels(cfg.data.classes, AffinitySpec.from_config(cfg))

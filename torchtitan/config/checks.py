@@ -99,6 +99,8 @@ def _affinity_problems(config) -> list[str]:
         problems.append(
             f"'affinities.offsets' = {aff.offsets} has no effect with 'affinities.classes' "
             "empty; name the instance classes whose affinities to predict, or remove the offsets")
+    if aff.boundary:
+        problems += _boundary_problems(config)
     if not aff.classes:
         return problems
     if model.loss not in MULTI_LABEL_LOSSES:
@@ -132,6 +134,33 @@ def _affinity_problems(config) -> list[str]:
             f"'inference.planes' = 'zyx' averages a 2D model's outputs on yx, zx and zy planes, "
             f"but its affinity channels ('affinities.classes' = {aff.classes}) are along its "
             "own plane's axes, which differ between those planes; use planes = 'z'")
+    return problems
+
+
+def _boundary_problems(config) -> list[str]:
+    """``affinities.boundary``: a semantic class taken from one class's face affinities."""
+    aff, model = config.affinities, config.model
+    name = f"'affinities.boundary' = {aff.boundary!r}"
+    if aff.boundary not in config.data.classes:
+        return [f"{name} is not in 'data.classes' ({', '.join(config.data.classes)}); name the "
+                "boundary class the model predicts (e.g. 'pm'), or leave it empty"]
+    if aff.boundary in aff.classes:
+        return [f"{name} is a class of 'affinities.classes' (objects); the boundary is the "
+                "semantic class where they meet (e.g. 'pm')"]
+    problems = []
+    if len(aff.classes) != 1:
+        problems.append(f"{name} is taken from the affinities of one class, but "
+                        f"'affinities.classes' = {aff.classes}; name exactly one (e.g. ['cell'])")
+    if aff.offsets:
+        units = {tuple(int(a == axis) for a in range(model.ndim)) for axis in range(model.ndim)}
+        missing = units - {parse_offset(t) for t in aff.offsets}
+        if missing:
+            problems.append(f"{name} needs the face-neighbour affinities, but 'affinities.offsets'"
+                            f" = {aff.offsets} lacks "
+                            f"{sorted(':'.join(map(str, u)) for u in missing)}; add them")
+    if model.head == "linear":
+        problems.append(f"{name} needs full-resolution logits: use a convolutional "
+                        "'model.head' ('upconv' or 'multiscale'), not 'linear'")
     return problems
 
 

@@ -454,6 +454,18 @@ class Affinities:
         "long-range ones after. Empty = the face neighbours plus offsets of about 3 and 9 "
         "voxels of the finest axis along each axis (shorter on a coarser axis).",
         check=(_offsets_rule, "entries must be whole numbers joined by ':', not all 0"))
+    boundary: str = opt(
+        "", "A semantic class of data.classes (e.g. 'pm') taken from the face-neighbour "
+        "affinities of the one class of affinities.classes instead of an output channel of its "
+        "own: a voxel is a boundary voxel by 1 minus its least affinity to a face neighbour, "
+        "so membranes and objects come from one prediction and the class's loss trains the "
+        "affinities too. Its labels must mean that (helpers/import_stack.py --boundary). "
+        "Needs every face-neighbour offset and a convolutional head; '' = its own channel.")
+    loss_weight: float = opt(
+        0.0, "Weight in the loss of all of one class's affinity channels together, shared "
+        "evenly by its offsets (a class of data.classes weighs 1, or its model.class_weights "
+        "entry): 1 gives the affinities of a class the pull of one class; 0 = 1 per "
+        "channel, as many classes' worth as there are offsets.", min=0)
 
 
 @dataclass

@@ -298,6 +298,28 @@ HEAD_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
+def boundary_from_affinities(logits: Tensor, faces: Sequence[tuple[int, int]]) -> Tensor:
+    """Logits (B, 1, *spatial) of a boundary taken from face-neighbour affinity logits.
+
+    ``faces``: (channel, axis) of each face-neighbour affinity, channel ``c`` at voxel ``v``
+    saying whether ``v`` and ``v + e_axis`` hold the same object. A voxel is a boundary voxel
+    where one of its face neighbours (``v + e`` or ``v - e`` along any axis) holds another
+    object, so its probability is 1 minus the least affinity to a neighbour: the logit is minus
+    the least of those logits (sigmoid is monotone). A neighbour outside the window does not
+    count."""
+    inf = torch.finfo(logits.dtype).max
+    edges = []
+    for channel, axis in faces:
+        a = logits[:, channel]  # (B, *spatial): v with v + e
+        dim = 1 + axis
+        n = a.shape[dim]
+        high = a.narrow(dim, 0, n - 1)  # v + e inside
+        pad = torch.full_like(a.narrow(dim, 0, 1), inf)
+        edges.append(torch.cat([high, pad], dim))  # v with v + e (none at the last)
+        edges.append(torch.cat([pad, high], dim))  # v with v - e (none at the first)
+    return -torch.stack(edges).amin(0).unsqueeze(1)
+
+
 class SegmentationModel(ContextParallelModel):
     """Backbone + head; ``forward(x, output_size=None) -> (B, num_classes, *size)``.
 
@@ -322,6 +344,7 @@ class SegmentationModel(ContextParallelModel):
         freeze_backbone: bool = False,
         head_min_channels: int = 16,
         dropout: float = 0.0,
+        boundary_from: tuple[int, Sequence[tuple[int, int]]] | None = None,
     ):
         super().__init__()
         if head not in HEAD_TYPES:
@@ -330,6 +353,15 @@ class SegmentationModel(ContextParallelModel):
         self.ndim = backbone.ndim
         self.num_classes = num_classes
         self.head_name = head
+        # (index, faces): output channel ``index`` is not the head's but a boundary taken from
+        # its face-affinity channels (boundary_from_affinities; ``faces`` index the head's
+        # outputs), so the head predicts one channel fewer.
+        self.boundary_from = boundary_from
+        if boundary_from is not None:
+            if HEAD_TYPES[head] is LinearHead:
+                raise ValueError("a boundary from affinities needs a convolutional head "
+                                 "(full-resolution logits), not 'linear'")
+            num_classes -= 1
         self.out_indices = backbone_out_indices(len(backbone.blocks), out_layers)
         in_channels = backbone.embed_dim * len(self.out_indices)
         if HEAD_TYPES[head] is LinearHead:
@@ -376,8 +408,17 @@ class SegmentationModel(ContextParallelModel):
         if isinstance(self.head, LinearHead):
             logits = self._head_logits(x)
         else:
-            logits = self.head(self._features(x), x)
+            logits = self._with_boundary(self.head(self._features(x), x))
         return self._resize(logits, output_size) if resize else logits
+
+    def _with_boundary(self, logits: Tensor) -> Tensor:
+        """The head's logits with the boundary channel of ``boundary_from`` put in place."""
+        if self.boundary_from is None:
+            return logits
+        index, faces = self.boundary_from
+        faces = [(c if c < index else c - 1, axis) for c, axis in faces]  # the head's channels
+        boundary = boundary_from_affinities(logits, faces)
+        return torch.cat([logits[:, :index], boundary, logits[:, index:]], dim=1)
 
     def _features(self, x: Tensor, reshape: bool = True) -> list[Tensor]:
         """The normalised outputs of the head's blocks: maps (B, C, *grid), or tokens (B, N, C)."""
@@ -411,7 +452,7 @@ class SegmentationModel(ContextParallelModel):
         if not isinstance(self.head, LinearHead):
             features = self._features(shard.slab(x, 2))
             logits = self.head([shard.gather(torch.cat(features, dim=1), 2)], x)
-            return shard.slab(self._resize(logits, output_size), 2)
+            return shard.slab(self._resize(self._with_boundary(logits), output_size), 2)
         logits = shard.gather(self._head_logits(shard.slab(x, 2)), 2)  # (B, K, *grid), whole
         rows, out_rows = logits.shape[2], output_size[0]
         if out_rows % rows or tuple(logits.shape[2:]) == output_size:

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 MODEL_SHAPING_KEYS: dict[str, tuple[str, ...]] = {
     "segmentation": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
                      "data.classes", "model.head", "model.head_channels",
-                     "model.head_min_channels", "model.head_image_levels", "model.backbone_out_layers"),
+                     "model.head_min_channels", "model.head_image_levels", "model.backbone_out_layers",
+                     "affinities.boundary"),
     "mae": ("model.backbone", "model.ndim", "model.in_chans", "model.patch_size",
             "model.decoder_dim", "model.decoder_depth", "model.decoder_num_heads"),
 }

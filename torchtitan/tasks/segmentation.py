@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.cellmap.affinities import (AffinitySpec, channel_offsets, output_channels,
-                                           split_outputs)
+from torchtitan.cellmap.affinities import (AffinitySpec, channel_offsets, face_channels,
+                                           output_channels, split_outputs)
 from torchtitan.data.sampling.batch import Batch
 from torchtitan.data.volume_source import READ_ERRORS, CropVolume, VolumeSource, build_source
 from torchtitan.scoring.metrics import combine_scores, score_crop, validation_scores
@@ -104,11 +104,17 @@ class SegmentationTask(TaskBase):
         m = self.cfg.model
         backbone = build_backbone(m.backbone, ndim=m.ndim, in_chans=m.in_chans,
                                   patch_size=m.patch_size, attention=m.attention)
+        boundary = self.cfg.affinities.boundary
+        boundary_from = None
+        if boundary:  # the class from the face affinities of the one affinity class
+            boundary_from = (self.channels.index(boundary),
+                             face_channels(self.cfg.data.classes, self.affinities,
+                                           self.affinities.classes[0]))
         return SegmentationModel(backbone, len(self.channels), head=m.head,
                                  out_layers=m.backbone_out_layers, head_channels=m.head_channels,
                                  head_min_channels=m.head_min_channels,
                                  head_image_levels=m.head_image_levels,
-                                 freeze_backbone=m.freeze_backbone)
+                                 freeze_backbone=m.freeze_backbone, boundary_from=boundary_from)
 
     def flops_per_sample(self, model) -> float:
         return training_flops_per_sample(model, (self.cfg.model.in_chans, *self.cfg.model.crop_size))
@@ -126,8 +132,11 @@ class SegmentationTask(TaskBase):
         logits = model(batch.image, output_size=batch.target.shape[2:], resize=False)
         if self._loss is None:  # built once: compiled with the model (training.compile)
             weights = None
-            if m.class_weights:  # affinity channels weigh 1
-                weights = torch.tensor(m.class_weights + [1.0] * len(self.affinities),
+            total = self.cfg.affinities.loss_weight  # a class's affinities together; 0: 1 each
+            per_offset = total / len(self.affinities.offsets) if total else 1.0
+            if m.class_weights or per_offset != 1.0:
+                weights = torch.tensor((m.class_weights or [1.0] * len(self.cfg.data.classes))
+                                       + [per_offset] * len(self.affinities),
                                        device=logits.device)
             self._loss = build_loss(m.loss, weights, compiled=self.cfg.training.compile)
         target, valid = local_part(shard, batch.target), local_part(shard, batch.valid)
