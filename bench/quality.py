@@ -72,6 +72,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -283,8 +284,8 @@ def init_flags(name: str, pretrained: dict[str, Path]) -> list[str]:
             "--checkpoint.initial_load_prefix_map", "encoder.=backbone."]
 
 
-def train(name, spec, data, out, nproc, steps, extra=()) -> tuple[float, dict]:
-    dump = out / name
+def train(name, spec, data, out, nproc, steps, extra=(), dump=None) -> tuple[float, dict]:
+    dump = dump or out / name
     checkpoint = (["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(steps),
                    "--checkpoint.keep_latest_k", "1"] if KEEP_CHECKPOINT
                   else ["--no-checkpoint.enable_checkpoint"])
@@ -387,12 +388,12 @@ def run_models(args, models: dict[str, str], pretrained: dict[str, Path], seeds:
             raise SystemExit(f"model {name!r}: a plain U-Net trains from scratch on every label")
         clock = []
         if steps or args.steps or plain:
-            step_s, steps = math.nan, steps or args.steps
-        else:
+            step_s, model_steps = math.nan, steps or args.steps
+        else:  # each model its own calibration and clock
             step_s = calibrate(name, spec, args.data, args.out, args.nproc, args.calibrate)
-            steps = max(1, int(args.budget / step_s))
+            model_steps = max(1, int(args.budget / step_s))
             if constant_schedule(spec, args.data):
-                steps *= 2
+                model_steps *= 2
             clock = ["--training.time_budget_s", str(args.budget)]
         runs = seed_runs(name + fraction_tag(fraction), seeds)
         for run, seed_flags in runs:
@@ -400,9 +401,9 @@ def run_models(args, models: dict[str, str], pretrained: dict[str, Path], seeds:
                 trained, wall, scores = train_plain(run, plain, spec, args.data, args.out,
                                                     args.budget, args.steps, seed_flags)
             else:
-                wall, scores = train(run, spec, args.data, args.out, args.nproc, steps,
+                wall, scores = train(run, spec, args.data, args.out, args.nproc, model_steps,
                                      [*flags, *limit, *seed_flags, *clock])
-                trained = int(scores.get("step", steps))
+                trained = int(scores.get("step", model_steps))
             results[run] = (trained, wall, scores)
             classes = classes or [k.split("/")[-1] for k in scores if k.startswith("val/iou/")]
             timed = "" if math.isnan(step_s) else f"{step_s:.3f} s/step -> "
@@ -546,6 +547,195 @@ def plot_series(summary: dict[str, dict], xs_given, x_of, x_label: str, y_label:
     return path
 
 
+# --------------------------------------------------------------------------- the protocol
+# A recipe's lever is judged at equal wall-clock time, at several budgets, on every stack, over
+# seeds, beside the plain U-Net, and kept only where it helps on each stack (not on their mean).
+LOWER_IS_BETTER = ("voi", "arand")  # score names where less is better (neuron metrics)
+PROTOCOL_LEDGER = "protocol.json"
+
+
+def parse_stacks(items: list[str], data: Path) -> dict[str, tuple[Path, list[str]]]:
+    """``--stack NAME=PATH [FLAGS]`` -> {name: (path, flags)}; none: ``--data`` as one stack
+    named after its folder. A stack's flags come after a model's, so what describes the data
+    (voxel size, classes, validation crops, a window that fits its sections) is the stack's."""
+    if not items:
+        return {data.name: (data, [])}
+    stacks = {}
+    for item in items:
+        name, _, rest = item.partition("=")
+        path, *flags = shlex.split(rest)
+        if not name or not path or name in stacks:
+            raise SystemExit(f"--stack {item!r}: give NAME=PATH [FLAGS], each NAME once")
+        stacks[name] = (Path(path), flags)
+    return stacks
+
+
+def parse_budgets(text: str) -> list[float]:
+    budgets = [float(b) for b in text.split(",") if b.strip()]
+    if not budgets or budgets != sorted(set(budgets)) or budgets[0] <= 0:
+        raise SystemExit(f"--budgets {text!r}: seconds, positive and ascending, e.g. 480,1440")
+    return budgets
+
+
+def better(metric: str, a: float, b: float) -> float:
+    """How much ``a`` is better than ``b`` on ``metric`` (positive: better)."""
+    return (b - a) if any(m in metric for m in LOWER_IS_BETTER) else (a - b)
+
+
+def best_of(metric: str, values: list[float]) -> float:
+    """The best of ``values`` on ``metric`` (NaN where none is known)."""
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return math.nan
+    return min(known) if any(m in metric for m in LOWER_IS_BETTER) else max(known)
+
+
+def budget_launches(spec: str, data: Path, budgets: list[float]) -> list[tuple[float, float]]:
+    """(budget, seconds for this launch) of a trainer model's runs at ``budgets``: a constant
+    schedule trains one run, relaunched (resumed, exactly) for each next budget's remaining
+    seconds, and is scored at the end of every launch; any other schedule depends on where it
+    ends, so each budget is a run of its own (marked by a launch of its whole budget)."""
+    if constant_schedule(spec, data):
+        return [(b, b - a) for a, b in zip([0.0, *budgets], budgets)]
+    return [(b, b) for b in budgets]
+
+
+def protocol_trainer_runs(name, spec, data, out, args, seeds, budgets, ledger, key):
+    """Every seed of one trainer model at every budget, into ``ledger[key][run][budget]``."""
+    runs = seed_runs(name, seeds)
+    if all(str(b) in ledger.get(key, {}).get(run, {}) for run, _ in runs for b in budgets):
+        return
+    step_s = calibrate(name, spec, data, out, args.nproc, args.calibrate)
+    launches = budget_launches(spec, data, budgets)
+    resumed = launches[-1][1] != budgets[-1] or len(budgets) == 1
+    for run, seed_flags in runs:
+        done = ledger.setdefault(key, {}).setdefault(run, {})
+        for i, (budget, seconds) in enumerate(launches):
+            if str(budget) in done:
+                continue
+            dump = out / (run if resumed else f"{run}_b{budget:.0f}")
+            if (not resumed or i == 0) and dump.exists():
+                shutil.rmtree(dump)  # a run begins afresh (a later budget resumes it)
+            steps = max(1, int((budgets[-1] if resumed else budget) / step_s))
+            steps *= 2 if constant_schedule(spec, data) else 1
+            wall, scores = train(f"{run}_b{budget:.0f}" if not resumed else run, spec, data,
+                                 out, args.nproc, steps,
+                                 [*seed_flags, "--training.time_budget_s", str(seconds),
+                                  "--checkpoint.enable_checkpoint", "--checkpoint.interval",
+                                  str(steps), "--checkpoint.keep_latest_k", "1"], dump=dump)
+            done[str(budget)] = {"steps": int(scores.get("step", steps)), "wall_s": wall,
+                                 "step_s": step_s, "scores": scores}
+            save_ledger(out.parent, ledger)
+            print(f"{key} {run} at {budget:.0f} s: {done[str(budget)]['steps']} steps, mean IoU "
+                  f"{scores.get('val/mean_iou', math.nan):.3f}", flush=True)
+
+
+def protocol_plain_runs(name, ndim, spec, data, out, seeds, budgets, ledger, key):
+    """Every seed of a plain U-Net: one run, scored at each budget (constant rate)."""
+    for run, seed_flags in seed_runs(name, seeds):
+        done = ledger.setdefault(key, {}).setdefault(run, {})
+        if all(str(b) in done for b in budgets):
+            continue
+        train_plain(run, ndim, spec, data, out, 0, 0,
+                    ["--budgets", ",".join(str(b) for b in budgets), *seed_flags])
+        for record in records(out / run):
+            done[str(float(record["budget_s"]))] = {
+                "steps": int(record["step"]), "wall_s": record["wall_time_s"],
+                "step_s": record["train_time_s"] / record["step"], "scores": record}
+        save_ledger(out.parent, ledger)
+
+
+def save_ledger(out: Path, ledger: dict) -> None:
+    path = out / PROTOCOL_LEDGER
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ledger, indent=1))
+    tmp.replace(path)
+
+
+def protocol_summary(ledger: dict, stacks, models, seeds, budgets, metrics: list[str],
+                     reference: str | None) -> str:
+    """Per metric: each model's seed mean (and range) at each stack and budget, its steps, then
+    its margin over the better plain U-Net and over ``reference``; a lever is kept where its
+    margin over the reference is positive at every stack and budget."""
+    seed_names = lambda m: [r for r, _ in seed_runs(m, seeds)]
+    cells = [(st, b) for st in stacks for b in budgets]
+    head = ["model", *(f"{st} {b / 60:g} min" if b >= 60 else f"{st} {b:g} s"
+                       for st, b in cells)]
+
+    def values(model, st, b, metric):
+        runs = ledger.get(st, {})
+        got = [runs[r][str(b)]["scores"].get(metric) for r in seed_names(model)
+               if str(b) in runs.get(r, {})]
+        return [v for v in got if v is not None]
+
+    def mean(model, st, b, metric):
+        v = values(model, st, b, metric)
+        return statistics.fmean(v) if v else math.nan
+
+    lines = []
+    plains = [m for m in models if model_kind(m) in PLAIN_UNETS]
+    for metric in metrics:
+        rows = [head]
+        for m in models:
+            row = [m]
+            for st, b in cells:
+                v = values(m, st, b, metric)
+                runs = ledger.get(st, {})
+                steps = [runs[r][str(b)]["steps"] for r in seed_names(m) if str(b) in runs.get(r, {})]
+                row.append(f"{statistics.fmean(v):.3f} ({min(v):.3f}-{max(v):.3f}; "
+                           f"{statistics.fmean(steps):.0f} steps; n={len(v)})" if v else "-")
+            rows.append(row)
+        margins = []
+        for m in models:
+            if m in plains:
+                continue
+            if plains:
+                margins.append([f"{m} - best plain U-Net", *(
+                    f"{better(metric, mean(m, st, b, metric), best_of(metric, [mean(u, st, b, metric) for u in plains])):+.3f}"
+                    for st, b in cells)])
+            if reference and m != reference:
+                deltas = [better(metric, mean(m, st, b, metric), mean(reference, st, b, metric))
+                          for st, b in cells]
+                verdict = ("kept: better at every stack and budget" if all(d > 0 for d in deltas)
+                           else "not kept" if not any(math.isnan(d) for d in deltas)
+                           else "incomplete")
+                margins.append([f"{m} - {reference} ({verdict})",
+                                *(f"{d:+.3f}" for d in deltas)])
+        widths = [max(len(r[i]) for r in rows + margins) for i in range(len(head))]
+        fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+        lines += [f"\n{metric} (seed mean (min-max; steps; seeds))\n", fmt(rows[0]),
+                  "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                  *map(fmt, rows[1:]), *map(fmt, margins)]
+    return "\n".join(lines)
+
+
+def protocol(args, models: dict[str, str], seeds: list[int]) -> int:
+    """``--budgets``: every model (each seed) on every ``--stack`` at every budget, results in
+    ``--out/protocol.json`` (kept across invocations: what is there is not run again), then
+    the summary."""
+    stacks = parse_stacks(args.stack, args.data)
+    budgets = parse_budgets(args.budgets)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / PROTOCOL_LEDGER
+    ledger = json.loads(path.read_text()) if path.is_file() else {}
+    for st, (data, flags) in stacks.items():
+        out = args.out / st
+        out.mkdir(exist_ok=True)
+        for name, spec in models.items():
+            full = f"{spec} {shlex.join(flags)}".strip()
+            plain = PLAIN_UNETS.get(model_kind(name))
+            if plain:
+                protocol_plain_runs(name, plain, full, data, out, seeds, budgets, ledger, st)
+            else:
+                protocol_trainer_runs(name, full, data, out, args, seeds, budgets, ledger, st)
+    metrics = args.metric or ["val/mean_iou"]
+    summary = protocol_summary(ledger, stacks, list(models), seeds, budgets, metrics,
+                               args.reference)
+    print(summary)
+    (args.out / "protocol.md").write_text(summary + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo",
@@ -580,6 +770,20 @@ def main(argv=None) -> int:
     parser.add_argument("--equal-time", action="store_true",
                         help="at the smallest fraction, also train each scratch MODEL of a "
                              "MODEL@PRETRAIN pair for its pretrained twin's total time")
+    parser.add_argument("--stack", action="append", default=[], metavar="NAME=PATH [FLAGS]",
+                        help="with --budgets: a dataset and the flags that describe it (voxel "
+                             "size, classes, validation crops); several stacks, each model on "
+                             "each (default: --data)")
+    parser.add_argument("--budgets", default="", metavar="S,S,...",
+                        help="the decision protocol: every model on every --stack at each of "
+                             "these training budgets (seconds, e.g. 480,1440), each --seeds; "
+                             "results kept in --out/protocol.json across invocations")
+    parser.add_argument("--reference", default=None, metavar="NAME",
+                        help="with --budgets: the model whose levers are judged (a model is "
+                             "kept where it beats this one on every stack and budget)")
+    parser.add_argument("--metric", action="append", default=None,
+                        help="with --budgets: the scores of the summary (default val/mean_iou; "
+                             "VOI and ARAND count lower as better)")
     parser.add_argument("--keep-checkpoint", action="store_true",
                         help="each run keeps the checkpoint of its last step, e.g. to cut its "
                              "neurons other ways with bench/neuron_cuts.py")
@@ -592,6 +796,8 @@ def main(argv=None) -> int:
         raise SystemExit("--equal-time compares at equal fine-tuning steps first: give --steps")
     if args.calibrate_only:
         return calibrate_only(args, models)
+    if args.budgets:
+        return protocol(args, models, [int(x) for x in args.seeds.split(",") if x.strip()])
     if not args.data.exists():
         subprocess.run([sys.executable, str(REPO / "helpers" / "make_demo_data.py"), "--out",
                         str(args.data)], check=True)

@@ -24,7 +24,9 @@ rest on our trainer suiting it:
   nowhere);
 * Adam at a constant learning rate of 1e-3 (no warm-up, no schedule, no weight decay, no
   clipping), until ``--budget`` seconds of training are spent (no step starts that would end
-  past it, judged by the mean step time so far) or ``--steps`` steps are done;
+  past it, judged by the mean step time so far) or ``--steps`` steps are done; with
+  ``--budgets 480,1440`` the one run is scored at each budget, the clock stopped while it
+  validates (at a constant rate, the weights at 480 s are those of a 480 s run);
 * then every validation crop predicted by ``monai.inferers.sliding_window_inference`` (window
   ``model.crop_size``, ``inference.overlap`` and ``inference.blend``, 0.25 and gaussian by
   default, ``inference.batch_size`` windows per forward; a 2D model's sections go through as
@@ -39,10 +41,10 @@ overrides, checked as the trainer checks them), for what both rows must share: t
 augmentation, loss and model are not used: those this row does its own way. ``--seed``
 (default ``training.seed``) seeds the initialisation, the sampler and the flips.
 
-Output: ``DUMP/logs/metrics.jsonl`` with one record, like a trainer run's last validation:
-``step`` (steps trained), the ``val/...`` and ``val_post/...`` scores, ``loss`` (mean of the
-last 50 steps), ``train_time_s`` (the budgeted loop) and ``wall_time_s`` (the whole script up
-to the record).
+Output: ``DUMP/logs/metrics.jsonl`` with one record per budget (one in all without
+``--budgets``), like a trainer run's last validation: ``step`` (steps trained), the ``val/...``
+and ``val_post/...`` scores, ``loss`` (mean of the last 50 steps), ``train_time_s`` (the
+budgeted loop so far), ``budget_s`` and ``wall_time_s`` (the whole script up to the record).
 """
 
 from __future__ import annotations
@@ -125,12 +127,22 @@ def masked_bce(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) 
     return (per_voxel * valid).sum() / valid.sum().clamp_min(1.0)
 
 
-def train(model, windows: UniformWindows, batch_size: int, budget: float, max_steps: int):
-    """The plain loop; returns (steps, seconds spent, mean loss of the last steps)."""
+def train(model, windows: UniformWindows, batch_size: int, budgets: list[float], max_steps: int,
+          on_budget=None):
+    """The plain loop; returns (steps, seconds spent, mean loss of the last steps).
+
+    ``budgets``: seconds of training, ascending; the loop ends at the last. At each earlier one
+    (the first step boundary past which another step would end beyond it, judged by the mean
+    step so far), ``on_budget(budget, steps, seconds, loss)`` is called with the clock stopped
+    (its validation is not training time), then the loop goes on with the model in training
+    mode: the weights at a budget are those a run of that budget alone ends with, since the
+    rate is constant."""
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     model.train()
     losses: list[float] = []
-    step, start = 0, time.perf_counter()
+    pending = list(budgets)
+    step, elapsed = 0, 0.0
+    start = time.perf_counter()
     while True:
         image, target, valid = windows.batch(batch_size)
         loss = masked_bce(model(image), target, valid)
@@ -145,7 +157,16 @@ def train(model, windows: UniformWindows, batch_size: int, budget: float, max_st
                         elapsed)
         if max_steps and step >= max_steps:
             break
-        if budget and elapsed + elapsed / step > budget:
+        while pending and elapsed + elapsed / step > pending[0]:
+            budget = pending.pop(0)
+            if not pending:
+                break
+            if on_budget is not None:
+                paused = time.perf_counter()
+                on_budget(budget, step, elapsed, statistics.fmean(losses[-LOG_EVERY:]))
+                model.train()
+                start += time.perf_counter() - paused  # the clock stood still meanwhile
+        if budgets and not pending:
             break
     return step, elapsed, statistics.fmean(losses[-LOG_EVERY:])
 
@@ -195,6 +216,9 @@ def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="a train_configs/*.toml (segmentation)")
     parser.add_argument("--budget", type=float, default=0.0, help="seconds of training")
+    parser.add_argument("--budgets", default="", metavar="S,S,...",
+                        help="several budgets in seconds, ascending: one run scored at each "
+                             "(a record per budget, with its train_time_s); replaces --budget")
     parser.add_argument("--steps", type=int, default=0,
                         help="train this many steps (with --budget: whichever comes first)")
     parser.add_argument("--seed", type=int, default=None,
@@ -202,8 +226,12 @@ def parse(argv):
                              "(default: the config's training.seed)")
     parser.add_argument("--out", type=Path, required=True, help="dump folder (DUMP/logs/...)")
     args, overrides = parser.parse_known_args(argv)
-    if args.budget <= 0 and args.steps <= 0:
-        parser.error("give --budget SECONDS or --steps N")
+    args.budgets = ([float(b) for b in args.budgets.split(",") if b.strip()] if args.budgets
+                    else [args.budget] if args.budget > 0 else [])
+    if args.budgets != sorted(set(args.budgets)) or any(b <= 0 for b in args.budgets):
+        parser.error(f"--budgets {args.budgets}: positive seconds, ascending")
+    if not args.budgets and args.steps <= 0:
+        parser.error("give --budget SECONDS, --budgets S,S,... or --steps N")
     cfg = ConfigManager().parse_args(["--job.config_file", args.config, *overrides])
     return args, cfg
 
@@ -224,21 +252,29 @@ def main(argv=None) -> int:
     model = BasicUNet(spatial_dims=m.ndim, in_channels=m.in_chans,
                       out_channels=len(cfg.data.classes))
     logger.info("BasicUNet %dD, %.1fM parameters; %d training crops in memory, windows %s, "
-                "batch %d, budget %.0f s, seed %d", m.ndim,
+                "batch %d, budgets %s s, seed %d", m.ndim,
                 sum(p.numel() for p in model.parameters()) / 1e6, len(volumes), m.crop_size,
-                cfg.training.batch_size, args.budget, seed)
-    steps, train_time, loss = train(model, windows, cfg.training.batch_size, args.budget,
-                                    args.steps)
+                cfg.training.batch_size, args.budgets or "none", seed)
+    (args.out / "logs" / "metrics.jsonl").unlink(missing_ok=True)  # a rerun replaces its records
+    metrics = MetricLogger(str(args.out), "logs", enable_tensorboard=False, rank=0)
+
+    def record(budget, steps, train_time, loss) -> dict[str, float]:
+        scores = validate(model, source, cfg)
+        extra = {"budget_s": budget} if budget else {}
+        metrics.log(steps, {**scores, "loss": loss, "train_time_s": train_time, **extra,
+                            "wall_time_s": time.perf_counter() - wall_start})
+        logger.info("%s: %d steps, %.0f s of training, mean IoU %.3f",
+                    f"budget {budget:.0f} s" if budget else "trained", steps, train_time,
+                    scores.get("val/mean_iou", float("nan")))
+        return scores
+
+    steps, train_time, loss = train(model, windows, cfg.training.batch_size, args.budgets,
+                                    args.steps, on_budget=record)
     logger.info("trained %d steps in %.0f s (%.3f s/step), loss %.4f", steps, train_time,
                 train_time / steps, loss)
-    scores = validate(model, source, cfg)
-    (args.out / "logs" / "metrics.jsonl").unlink(missing_ok=True)  # a rerun replaces its record
-    metrics = MetricLogger(str(args.out), "logs", enable_tensorboard=False, rank=0)
-    metrics.log(steps, {**scores, "loss": loss, "train_time_s": train_time,
-                        "wall_time_s": time.perf_counter() - wall_start})
+    record(args.budgets[-1] if args.budgets else 0.0, steps, train_time, loss)
     metrics.close()
-    logger.info("mean IoU %.3f (%s)", scores.get("val/mean_iou", float("nan")),
-                args.out / "logs" / "metrics.jsonl")
+    logger.info("scores: %s", args.out / "logs" / "metrics.jsonl")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import numpy as np
 import pytest
@@ -177,3 +178,113 @@ def test_windows_pad_small_crops_unannotated_and_flip_labels_with_the_image():
         assert torch.equal(target[0][inside], image[0][inside] % 3 == 0)
     image, target, valid = windows.batch(4)
     assert image.shape == (4, 1, 8, 8) and target.dtype == valid.dtype == torch.float32
+
+
+@pytest.mark.distributed
+def test_protocol_scores_one_resumed_run_at_each_budget_and_keeps_its_ledger(
+        demo_data, tmp_path, capsys):
+    """``--budgets``: a constant-schedule model trains one run per seed, scored at the end of
+    its first budget and resumed for the rest of the next; a decaying schedule trains a run per
+    budget; the ledger keeps them, so a second invocation trains nothing."""
+    import tomllib
+
+    quality = script_module("bench/quality.py")
+    seg = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
+           "--data.val_crops jrc_synth-2/crop7 --model.crop_size 32,32 --data.classes mito")
+    flat, decayed = f"{seg} --lr_scheduler.decay_type constant", f"{seg} --training.warmup_steps 1"
+    out = tmp_path / "protocol"
+    argv = ["--out", str(out), "--budgets", "4,8", "--nproc", "1", "--calibrate", "3",
+            "--stack", f"demo={demo_data} --data.voxel_size 8,8,8", "--reference", "flat",
+            "--model", f"flat={flat}", "--model", f"decayed={decayed}"]
+    quality.main(argv)
+    printed = capsys.readouterr().out
+    ledger = json.loads((out / "protocol.json").read_text())["demo"]
+    flat_runs = ledger["flat"]
+    assert set(flat_runs) == {"4.0", "8.0"} and set(ledger["decayed"]) == {"4.0", "8.0"}
+    # One run, two launches: the second resumed the first's checkpoint and trained on.
+    run = out / "demo" / "flat"
+    launches = [tomllib.loads(p.read_text())["training"]
+                for p in (run / "config.toml", run / "config.launch-2.toml")]
+    assert [t["time_budget_s"] for t in launches] == [4.0, 4.0]
+    assert launches[0]["steps"] == launches[1]["steps"]
+    assert 1 <= flat_runs["4.0"]["steps"] < flat_runs["8.0"]["steps"] < launches[0]["steps"]
+    assert launches[0]["seed"] == 0 and tomllib.loads((run / "config.toml").read_text())[
+        "data"]["voxel_size"] == [8.0, 8.0, 8.0]  # the stack's flags reach the run
+    # A decaying schedule: a run of its own per budget, each sized by its budget.
+    for budget in (4, 8):
+        config = tomllib.loads((out / "demo" / f"decayed_b{budget}" / "config.toml").read_text())
+        assert config["training"]["time_budget_s"] == budget
+    assert "decayed - flat (" in printed
+    assert re.search(r"\| model +\| demo 4 s +\| demo 8 s +\|", (out / "protocol.md").read_text())
+    # Again: everything is in the ledger, nothing trains (not even a calibration).
+    stamp = (run / "logs" / "metrics.jsonl").stat().st_mtime
+    (out / "demo" / "flat_calibrate").rename(out / "demo" / "old_calibrate")
+    quality.main(argv)
+    assert (run / "logs" / "metrics.jsonl").stat().st_mtime == stamp
+    assert not (out / "demo" / "flat_calibrate").exists()
+
+
+def test_protocol_summary_keeps_a_lever_only_where_it_helps_on_every_stack():
+    quality = script_module("bench/quality.py")
+
+    def cell(iou, voi, steps=10):
+        return {"steps": steps, "wall_s": 1.0, "step_s": 0.1,
+                "scores": {"val/mean_iou": iou, "val/voi/cell": voi}}
+
+    ledger = {"a": {"base": {"60.0": cell(0.50, 2.0)}, "lever": {"60.0": cell(0.60, 1.5)},
+                    "unet2d_plain": {"60.0": cell(0.55, 1.8)}},
+              "b": {"base": {"60.0": cell(0.50, 2.0)}, "lever": {"60.0": cell(0.45, 1.9)},
+                    "unet2d_plain": {"60.0": cell(0.40, 2.2)}}}
+    text = quality.protocol_summary(ledger, ["a", "b"], ["base", "lever", "unet2d_plain"], [],
+                                    [60.0], ["val/mean_iou", "val/voi/cell"], "base")
+    iou, voi = text.split("val/voi/cell")
+    # Better on stack a, worse on b: not kept, though its mean over the stacks is higher.
+    assert "lever - base (not kept)" in iou and "+0.100" in iou and "-0.050" in iou
+    assert "| lever - best plain U-Net" in iou and "+0.050" in iou
+    # VOI: lower is better, so the lever's lower VOI on both stacks keeps it.
+    assert "lever - base (kept: better at every stack and budget)" in voi
+    assert "0.500 (0.500-0.500; 10 steps; n=1)" in iou
+
+
+@needs_monai
+def test_plain_unet_is_scored_at_each_budget_of_one_run(demo_data, tmp_path):
+    """``unet_standalone.py --budgets``: one run, a record per budget, the clock stopped while
+    it validates (its training seconds stay under each budget)."""
+    unet = script_module("bench/unet_standalone.py")
+    out = tmp_path / "plain"
+    unet.main(["--config", "train_configs/debug_segmentation_2d.toml",
+               "--data.dataset_path", str(demo_data), "--data.val_crops", "jrc_synth-2/crop7",
+               "--training.batch_size", "2", "--model.crop_size", "32,32", "--budgets", "2,5",
+               "--out", str(out)])
+    first, second = (json.loads(line) for line in
+                     (out / "logs" / "metrics.jsonl").read_text().splitlines())
+    assert (first["budget_s"], second["budget_s"]) == (2.0, 5.0)
+    assert 1 <= first["step"] < second["step"]
+    # Each stops at the step past which another would end beyond its budget (a step is far
+    # shorter than the gap between the two).
+    assert first["train_time_s"] < 2.0 + first["train_time_s"] / first["step"]
+    assert 2.0 < second["train_time_s"] < 5.0 + second["train_time_s"] / second["step"]
+    assert 0 <= first["val/mean_iou"] <= 1 and "val/mean_iou" in second
+    with pytest.raises(SystemExit):
+        unet.main(["--config", "train_configs/debug_segmentation_2d.toml", "--budgets", "5,2",
+                   "--out", str(out)])
+
+
+@pytest.mark.distributed
+def test_each_trainer_model_gets_its_own_calibration_and_clock(demo_data, tmp_path):
+    """With a budget, every trainer model is timed and stopped by its own clock, not the
+    first model's step count."""
+    import tomllib
+
+    quality = script_module("bench/quality.py")
+    seg = ("train_configs/debug_segmentation_2d.toml --training.batch_size 2 "
+           "--data.val_crops jrc_synth-2/crop7 --model.crop_size 32,32 --data.classes mito")
+    out = tmp_path / "quality"
+    quality.main(["--data", str(demo_data), "--out", str(out), "--budget", "3", "--nproc", "1",
+                  "--calibrate", "3", "--model", f"a={seg}",
+                  "--model", f"b={seg} --model.head_channels 8"])
+    for name in ("a", "b"):
+        assert (out / f"{name}_calibrate" / "logs" / "metrics.jsonl").is_file()
+        training = tomllib.loads((out / name / "config.toml").read_text())["training"]
+        assert training["time_budget_s"] == 3.0
+        assert training["steps"] == max(1, int(3 / quality.step_time(out / f"{name}_calibrate")))
