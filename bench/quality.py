@@ -9,6 +9,11 @@
     python bench/quality.py --budget 480 --data data/mine --seeds 0,1 \\
         --model unet2d=train_configs/own_em_segmentation_2d.toml \\
         --model unet2d_plain=train_configs/own_em_segmentation_2d.toml
+    python bench/quality.py --out outputs/recipes --budgets 480,1440 --seeds 0,1,2 \\
+        --stack vnc=data/vnc --stack "medulla2d=data/medulla --data.classes pm ..." \\
+        --reference shipped --model shipped=train_configs/own_em_segmentation_2d.toml \\
+        --model "hm16=train_configs/own_em_segmentation_2d.toml --model.head_min_channels 16" \\
+        --model unet2d_plain=train_configs/own_em_segmentation_2d.toml
 
 Every model but the ``*_plain`` ones (below) is trained by the project's own trainer
 (torchrun, same processes), on the same data, with the same sampler, augmentation, loss and
@@ -57,6 +62,18 @@ latter (``label_efficiency.png`` in ``--out``: one line per model). ``--equal-ti
 the smallest fraction, each scratch ``MODEL`` trained for its steps plus the steps that its
 pretrained twin's pretraining time would have bought it (from the median step time of its own
 runs): the comparison at equal total time, pretraining included.
+
+The decision protocol (docs/benchmarks/recipes.md): ``--budgets 480,1440`` trains every
+model on every ``--stack NAME=PATH [FLAGS]`` (the flags that describe that data: voxel size,
+classes, validation crops; they come after a model's) for each seed and scores it at each
+budget. A model whose rate is constant after its warmup trains one run per seed: it reaches the
+first budget, is validated and saved, and is resumed (exactly) for the rest of the next; the
+plain U-Nets are scored at each budget of one run with their clock stopped; any other schedule
+trains a run per budget. Everything finished lands in ``--out/protocol.json`` and is not run
+again, so the protocol can be filled a piece at a time. The summary (``--out/protocol.md``)
+gives each ``--metric`` per stack and budget (seed mean, range, steps), the margin over the
+better plain U-Net and, with ``--reference NAME``, over that model: a lever is kept only where
+it is better at every stack and budget.
 
 ``--reuse`` keeps a run already in ``--out`` (a pretraining, a model at a fraction and seed)
 when its resolved ``config.toml`` equals the one its command gives now and its last step was
