@@ -627,6 +627,9 @@ def protocol_trainer_runs(name, spec, data, out, args, seeds, budgets, ledger, k
     resumed = launches[-1][1] != budgets[-1] or len(budgets) == 1
     for run, seed_flags in runs:
         done = ledger.setdefault(key, {}).setdefault(run, {})
+        if resumed and not (out / run / "checkpoint").is_dir() and any(
+                str(b) not in done for b in budgets):
+            done.clear()  # nothing to resume from: the run starts again from its first budget
         for i, (budget, seconds) in enumerate(launches):
             if str(budget) in done:
                 continue
@@ -713,8 +716,8 @@ def protocol_summary(ledger: dict, stacks, models, seeds, budgets, metrics: list
             if reference and m != reference:
                 deltas = [better(metric, mean(m, st, b, metric), mean(reference, st, b, metric))
                           for st, b in cells]
-                verdict = ("kept: better at every stack and budget" if all(d > 0 for d in deltas)
-                           else "not kept" if not any(math.isnan(d) for d in deltas)
+                verdict = ("better at every stack and budget" if all(d > 0 for d in deltas)
+                           else "not better everywhere" if not any(math.isnan(d) for d in deltas)
                            else "incomplete")
                 margins.append([f"{m} - {reference} ({verdict})",
                                 *(f"{d:+.3f}" for d in deltas)])

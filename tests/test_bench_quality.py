@@ -239,10 +239,10 @@ def test_protocol_summary_keeps_a_lever_only_where_it_helps_on_every_stack():
                                     [60.0], ["val/mean_iou", "val/voi/cell"], "base")
     iou, voi = text.split("val/voi/cell")
     # Better on stack a, worse on b: not kept, though its mean over the stacks is higher.
-    assert "lever - base (not kept)" in iou and "+0.100" in iou and "-0.050" in iou
+    assert "lever - base (not better everywhere)" in iou and "+0.100" in iou and "-0.050" in iou
     assert "| lever - best plain U-Net" in iou and "+0.050" in iou
     # VOI: lower is better, so the lever's lower VOI on both stacks keeps it.
-    assert "lever - base (kept: better at every stack and budget)" in voi
+    assert "lever - base (better at every stack and budget)" in voi
     assert "0.500 (0.500-0.500; 10 steps; n=1)" in iou
 
 
