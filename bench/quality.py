@@ -637,7 +637,9 @@ def protocol_trainer_runs(name, spec, data, out, args, seeds, budgets, ledger, k
             if (not resumed or i == 0) and dump.exists():
                 shutil.rmtree(dump)  # a run begins afresh (a later budget resumes it)
             steps = max(1, int((budgets[-1] if resumed else budget) / step_s))
-            steps *= 2 if constant_schedule(spec, data) else 1
+            # A held rate: the clock, not the step count, ends each launch (room for a machine
+            # that runs faster than it did while calibrating).
+            steps *= 4 if constant_schedule(spec, data) else 1
             wall, scores = train(f"{run}_b{budget:.0f}" if not resumed else run, spec, data,
                                  out, args.nproc, steps,
                                  [*seed_flags, "--training.time_budget_s", str(seconds),

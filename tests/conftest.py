@@ -215,6 +215,7 @@ SLOW_SUITE_CASES = (
     "test_shipped_configs.py::test_shipped_config_runs[own_em_segmentation_2d]",
     "test_predict_shards.py::test_a_killed_shard_run_again_gives_the_store_of_one_job",
     "test_bench_quality.py::test_calibrate_only_times_each_model_and_trains_nothing",
+    "test_bench_quality.py::test_each_trainer_model_gets_its_own_calibration_and_clock",
 )
 
 

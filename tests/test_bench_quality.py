@@ -207,7 +207,7 @@ def test_protocol_scores_one_resumed_run_at_each_budget_and_keeps_its_ledger(
                 for p in (run / "config.toml", run / "config.launch-2.toml")]
     assert [t["time_budget_s"] for t in launches] == [4.0, 4.0]
     assert launches[0]["steps"] == launches[1]["steps"]
-    assert 1 <= flat_runs["4.0"]["steps"] < flat_runs["8.0"]["steps"] < launches[0]["steps"]
+    assert 1 <= flat_runs["4.0"]["steps"] < flat_runs["8.0"]["steps"] <= launches[0]["steps"]
     assert launches[0]["seed"] == 0 and tomllib.loads((run / "config.toml").read_text())[
         "data"]["voxel_size"] == [8.0, 8.0, 8.0]  # the stack's flags reach the run
     # A decaying schedule: a run of its own per budget, each sized by its budget.
