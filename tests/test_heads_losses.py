@@ -374,6 +374,16 @@ def test_task_builds_model_and_loss_from_config(loss):
     assert count == expected[1] and count > 0
 
 
+def debug_task(cfg: JobConfig, loss: str):
+    """The task of ``cfg`` with a debug 2D ViT (patch 8, 16 x 16 crops) and ``loss``, and its
+    model built from seed 0."""
+    m = cfg.model
+    m.backbone, m.ndim, m.patch_size, m.crop_size, m.loss = "vit_debug", 2, 8, [16, 16], loss
+    task = SegmentationTask(cfg)
+    torch.manual_seed(0)
+    return task, task.build_model()
+
+
 @pytest.mark.parametrize("loss_weight", [0.0, 1.0, 6.0])
 def test_affinity_loss_weight_is_shared_by_a_class_offsets(loss_weight):
     """``affinities.loss_weight``: all of a class's affinity channels together weigh that
@@ -383,11 +393,7 @@ def test_affinity_loss_weight_is_shared_by_a_class_offsets(loss_weight):
     cfg.affinities.classes = ["cell"]
     cfg.affinities.offsets = ["0:1", "1:0", "0:4"]
     cfg.affinities.loss_weight = loss_weight
-    m = cfg.model
-    m.backbone, m.ndim, m.patch_size, m.crop_size, m.loss = "vit_debug", 2, 8, [16, 16], "bce_dice"
-    task = SegmentationTask(cfg)
-    torch.manual_seed(0)
-    model = task.build_model()
+    task, model = debug_task(cfg, "bce_dice")
     g = torch.Generator().manual_seed(0)
     target = (torch.rand(2, 5, 16, 16, generator=g) > 0.5).to(torch.uint8)
     valid = torch.ones(2, 5, 16, 16, dtype=torch.uint8)
@@ -411,11 +417,7 @@ def test_task_compiles_its_loss_with_the_model():
         cfg = JobConfig()
         cfg.data.classes = ["mito", "er"]
         cfg.training.compile = compiled
-        m = cfg.model
-        m.backbone, m.ndim, m.patch_size, m.crop_size, m.loss = "vit_debug", 2, 8, [16, 16], "bce"
-        task = SegmentationTask(cfg)
-        torch.manual_seed(0)
-        model = task.build_model()
+        task, model = debug_task(cfg, "bce")
         g = torch.Generator().manual_seed(0)
         batch = Batch(image=torch.randn(2, 1, 16, 16, generator=g),
                       target=(torch.rand(2, 2, 16, 16, generator=g) > 0.5).to(torch.uint8),
