@@ -69,7 +69,9 @@ classes, validation crops; they come after a model's) for each seed and scores i
 budget. A model whose rate is constant after its warmup trains one run per seed: it reaches the
 first budget, is validated and saved, and is resumed (exactly) for the rest of the next; the
 plain U-Nets are scored at each budget of one run with their clock stopped; any other schedule
-trains a run per budget. Everything finished lands in ``--out/protocol.json`` and is not run
+trains a run per budget, sized by its calibration; where the clock stopped such a run before
+97 % of its steps (its schedule had not ended: the calibration was faster than the run), it is
+trained again at the rate it ran, which then sizes that model's other runs. Everything finished lands in ``--out/protocol.json`` and is not run
 again, so the protocol can be filled a piece at a time. The summary (``--out/protocol.md``)
 gives each ``--metric`` per stack and budget (seed mean, range, steps), the margin over the
 better plain U-Net and, with ``--reference NAME``, over that model: a lever is kept only where
@@ -569,6 +571,10 @@ def plot_series(summary: dict[str, dict], xs_given, x_of, x_label: str, y_label:
 # seeds, beside the plain U-Net, and kept only where it helps on each stack (not on their mean).
 LOWER_IS_BETTER = ("voi", "arand")  # score names where less is better (neuron metrics)
 PROTOCOL_LEDGER = "protocol.json"
+# A decaying schedule stopped by the clock before this share of its steps did not end: it is
+# trained again at the rate it ran (kept in NAME_step_s beside the runs, for its other runs).
+SCHEDULE_END = 0.97
+RATE = "step_s"
 
 
 def parse_stacks(items: list[str], data: Path) -> dict[str, tuple[Path, list[str]]]:
@@ -622,9 +628,12 @@ def protocol_trainer_runs(name, spec, data, out, args, seeds, budgets, ledger, k
     runs = seed_runs(name, seeds)
     if all(str(b) in ledger.get(key, {}).get(run, {}) for run, _ in runs for b in budgets):
         return
-    step_s = calibrate(name, spec, data, out, args.nproc, args.calibrate)
+    rate = out / f"{name}_{RATE}"
+    step_s = (float(rate.read_text()) if rate.is_file()
+              else calibrate(name, spec, data, out, args.nproc, args.calibrate))
     launches = budget_launches(spec, data, budgets)
     resumed = launches[-1][1] != budgets[-1] or len(budgets) == 1
+    held = constant_schedule(spec, data)
     for run, seed_flags in runs:
         done = ledger.setdefault(key, {}).setdefault(run, {})
         if resumed and not (out / run / "checkpoint").is_dir() and any(
@@ -636,16 +645,29 @@ def protocol_trainer_runs(name, spec, data, out, args, seeds, budgets, ledger, k
             dump = out / (run if resumed else f"{run}_b{budget:.0f}")
             if (not resumed or i == 0) and dump.exists():
                 shutil.rmtree(dump)  # a run begins afresh (a later budget resumes it)
-            steps = max(1, int((budgets[-1] if resumed else budget) / step_s))
-            # A held rate: the clock, not the step count, ends each launch (room for a machine
-            # that runs faster than it did while calibrating).
-            steps *= 4 if constant_schedule(spec, data) else 1
-            wall, scores = train(f"{run}_b{budget:.0f}" if not resumed else run, spec, data,
-                                 out, args.nproc, steps,
-                                 [*seed_flags, "--training.time_budget_s", str(seconds),
-                                  "--checkpoint.enable_checkpoint", "--checkpoint.interval",
-                                  str(steps), "--checkpoint.keep_latest_k", "1"], dump=dump)
-            done[str(budget)] = {"steps": int(scores.get("step", steps)), "wall_s": wall,
+            for attempt in range(2):
+                steps = max(1, int((budgets[-1] if resumed else budget) / step_s))
+                # A held rate: the clock, not the step count, ends each launch (room for a
+                # machine that runs faster than it did while calibrating).
+                steps *= 4 if held else 1
+                wall, scores = train(f"{run}_b{budget:.0f}" if not resumed else run, spec,
+                                     data, out, args.nproc, steps,
+                                     [*seed_flags, "--training.time_budget_s", str(seconds),
+                                      "--checkpoint.enable_checkpoint", "--checkpoint.interval",
+                                      str(steps), "--checkpoint.keep_latest_k", "1"], dump=dump)
+                trained = int(scores.get("step", steps))
+                if held or attempt or trained >= SCHEDULE_END * steps:
+                    break
+                # The clock stopped a decaying schedule short of its end: the calibration was
+                # faster than the run. The run's own rate sizes this budget again, and the
+                # model's other runs.
+                step_s = seconds / trained
+                rate.write_text(f"{step_s!r}\n")
+                print(f"{key} {run} at {budget:.0f} s: the clock stopped it at step {trained} "
+                      f"of {steps}, before its schedule ended; again at its own rate, "
+                      f"{step_s:.3f} s/step", flush=True)
+                shutil.rmtree(dump)
+            done[str(budget)] = {"steps": trained, "wall_s": wall,
                                  "step_s": step_s, "scores": scores}
             save_ledger(out.parent, ledger)
             print(f"{key} {run} at {budget:.0f} s: {done[str(budget)]['steps']} steps, mean IoU "

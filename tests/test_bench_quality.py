@@ -185,7 +185,8 @@ def test_protocol_scores_one_resumed_run_at_each_budget_and_keeps_its_ledger(
         demo_data, tmp_path, capsys):
     """``--budgets``: a constant-schedule model trains one run per seed, scored at the end of
     its first budget and resumed for the rest of the next; a decaying schedule trains a run per
-    budget; the ledger keeps them, so a second invocation trains nothing."""
+    budget, trained again at its own rate where the clock cut its schedule short; the ledger
+    keeps them, so a second invocation trains nothing."""
     import tomllib
 
     quality = script_module("bench/quality.py")
@@ -196,6 +197,9 @@ def test_protocol_scores_one_resumed_run_at_each_budget_and_keeps_its_ledger(
     argv = ["--out", str(out), "--budgets", "4,8", "--nproc", "1", "--calibrate", "3",
             "--stack", f"demo={demo_data} --data.voxel_size 8,8,8", "--reference", "flat",
             "--model", f"flat={flat}", "--model", f"decayed={decayed}"]
+    # A step time far faster than the machine: the first decaying run is cut by its clock.
+    (out / "demo").mkdir(parents=True)
+    (out / "demo" / "decayed_step_s").write_text("0.0001\n")
     quality.main(argv)
     printed = capsys.readouterr().out
     ledger = json.loads((out / "protocol.json").read_text())["demo"]
@@ -210,10 +214,17 @@ def test_protocol_scores_one_resumed_run_at_each_budget_and_keeps_its_ledger(
     assert 1 <= flat_runs["4.0"]["steps"] < flat_runs["8.0"]["steps"] <= launches[0]["steps"]
     assert launches[0]["seed"] == 0 and tomllib.loads((run / "config.toml").read_text())[
         "data"]["voxel_size"] == [8.0, 8.0, 8.0]  # the stack's flags reach the run
-    # A decaying schedule: a run of its own per budget, each sized by its budget.
+    # A decaying schedule: a run of its own per budget, each sized by its budget and, once
+    # its clock cut it short, by the rate it ran at (which replaced the planted one).
+    assert "before its schedule ended; again at its own rate" in printed
+    assert not (out / "demo" / "decayed_calibrate").exists()
+    rate = float((out / "demo" / "decayed_step_s").read_text())
+    assert rate > 0.001
     for budget in (4, 8):
         config = tomllib.loads((out / "demo" / f"decayed_b{budget}" / "config.toml").read_text())
         assert config["training"]["time_budget_s"] == budget
+    assert config["training"]["steps"] == max(1, int(8 / rate))
+    assert ledger["decayed"]["8.0"]["steps"] <= config["training"]["steps"]
     assert "decayed - flat (" in printed
     assert re.search(r"\| model +\| demo 4 s +\| demo 8 s +\|", (out / "protocol.md").read_text())
     # Again: everything is in the ledger, nothing trains (not even a calibration).
